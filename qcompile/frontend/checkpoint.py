@@ -1,0 +1,229 @@
+"""Checkpoint: a config plus lazily read tensors, presented under one canonical, family-independent naming.
+
+Why: the two families store the same weights in different layouts (spec/model.md §2): Qwen3-Next fuses
+`in_proj_qkvz` / `in_proj_ba` grouped per key head and stores experts one tensor each; Qwen3.5 splits the GDN
+projections flat and stacks experts as `gate_up_proj` [E, 2I, H]. The graph names *canonical* parameters (Qwen3.5's
+flat GDN layout, experts as separate stacked gate / up / down). Each canonical parameter is a `TensorRef`: a recipe
+(which checkpoint tensors, which rows, stacked or not) that is validated against the config when the checkpoint is
+opened and executed only when the weight is needed. Opening a 400 GB checkpoint reads headers only.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import attrs
+import numpy as np
+
+from qcompile.errors import CheckpointError
+from qcompile.frontend.config import FULL, ModelConfig, load_config
+from qcompile.frontend.safetensors_io import TensorStore
+
+# Checkpoint tensor prefixes that are not part of the text forward pass and are skipped silently (spec §2.6).
+IGNORABLE_PREFIXES = ("mtp.", "model.visual.", "model.language_model.mtp.", "visual.")
+FLOAT_DTYPES = {"F32": "f32", "BF16": "bf16", "F16": "f16"}
+
+
+@attrs.frozen
+class TensorRef:
+    """How to build one canonical parameter from checkpoint tensors.
+
+    kind: "tensor" (one tensor, reshaped to `shape`), "rows" (one tensor, `rows` taken along `axis`),
+    "stack" (several tensors stacked on a new axis 0).
+    """
+
+    kind: str
+    sources: tuple[str, ...]
+    shape: tuple[int, ...]
+    source_shape: tuple[int, ...]
+    axis: int = 0
+    rows: tuple[int, ...] | None = None
+
+
+def _direct(name: str, shape, source_shape=None) -> TensorRef:
+    return TensorRef("tensor", (name,), tuple(shape), tuple(source_shape or shape))
+
+
+def _rows(name: str, source_shape, rows, axis=0) -> TensorRef:
+    shape = list(source_shape)
+    shape[axis] = len(rows)
+    return TensorRef("rows", (name,), tuple(shape), tuple(source_shape), axis, tuple(int(r) for r in rows))
+
+
+def _stack(names, shape_each) -> TensorRef:
+    return TensorRef("stack", tuple(names), (len(names), *shape_each), tuple(shape_each))
+
+
+def _next_gdn_rows(cfg: ModelConfig):
+    """Row indices that turn Qwen3-Next's per-key-head groups into Qwen3.5's flat qkv / z / b / a layout (§2.4)."""
+    hk, dk, dv, r = cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.gva_ratio
+    group = 2 * dk + 2 * r * dv
+    q = [g * group + i for g in range(hk) for i in range(dk)]
+    k = [g * group + dk + i for g in range(hk) for i in range(dk)]
+    v = [g * group + 2 * dk + i for g in range(hk) for i in range(r * dv)]
+    z = [g * group + 2 * dk + r * dv + i for g in range(hk) for i in range(r * dv)]
+    b = [g * 2 * r + j for g in range(hk) for j in range(r)]
+    a = [g * 2 * r + r + j for g in range(hk) for j in range(r)]
+    return q + k + v, z, b, a
+
+
+def canonical_params(cfg: ModelConfig, names: set[str], prefix: str) -> dict[str, TensorRef]:
+    """The canonical parameter table for this config, mapped onto the checkpoint's tensor names."""
+    h = cfg.hidden_size
+    out: dict[str, TensorRef] = {
+        "embed_tokens": _direct(f"{prefix}embed_tokens.weight", (cfg.vocab_size, h)),
+        "norm": _direct(f"{prefix}norm.weight", (h,)),
+    }
+    lm_head = "lm_head.weight" if not cfg.tie_word_embeddings else f"{prefix}embed_tokens.weight"
+    out["lm_head"] = _direct(lm_head, (cfg.vocab_size, h))
+    for layer, kind in enumerate(cfg.layer_types):
+        src, dst = f"{prefix}layers.{layer}.", f"layers.{layer}."
+        out[dst + "input_layernorm"] = _direct(src + "input_layernorm.weight", (h,))
+        out[dst + "post_attention_layernorm"] = _direct(src + "post_attention_layernorm.weight", (h,))
+        if kind == FULL:
+            _attention_params(cfg, out, src + "self_attn.", dst + "self_attn.")
+        else:
+            _gdn_params(cfg, out, src + "linear_attn.", dst + "linear_attn.")
+        if cfg.moe_layers[layer]:
+            _moe_params(cfg, out, names, src + "mlp.", dst + "mlp.")
+        else:
+            for proj, shape in (("gate_proj", (cfg.intermediate_size, h)), ("up_proj", (cfg.intermediate_size, h)),
+                                ("down_proj", (h, cfg.intermediate_size))):
+                out[dst + f"mlp.{proj}"] = _direct(src + f"mlp.{proj}.weight", shape)
+    return out
+
+
+def _attention_params(cfg: ModelConfig, out: dict, src: str, dst: str) -> None:
+    h, hd = cfg.hidden_size, cfg.head_dim
+    out[dst + "q_proj"] = _direct(src + "q_proj.weight", (2 * cfg.num_heads * hd, h))
+    out[dst + "k_proj"] = _direct(src + "k_proj.weight", (cfg.num_kv_heads * hd, h))
+    out[dst + "v_proj"] = _direct(src + "v_proj.weight", (cfg.num_kv_heads * hd, h))
+    out[dst + "o_proj"] = _direct(src + "o_proj.weight", (h, cfg.num_heads * hd))
+    out[dst + "q_norm"] = _direct(src + "q_norm.weight", (hd,))
+    out[dst + "k_norm"] = _direct(src + "k_norm.weight", (hd,))
+
+
+def _gdn_params(cfg: ModelConfig, out: dict, src: str, dst: str) -> None:
+    h, hv = cfg.hidden_size, cfg.linear_num_value_heads
+    if cfg.family == "qwen3_next":
+        qkv, z, b, a = _next_gdn_rows(cfg)
+        qkvz_shape = (2 * cfg.key_dim + 2 * cfg.value_dim, h)
+        out[dst + "in_proj_qkv"] = _rows(src + "in_proj_qkvz.weight", qkvz_shape, qkv)
+        out[dst + "in_proj_z"] = _rows(src + "in_proj_qkvz.weight", qkvz_shape, z)
+        out[dst + "in_proj_b"] = _rows(src + "in_proj_ba.weight", (2 * hv, h), b)
+        out[dst + "in_proj_a"] = _rows(src + "in_proj_ba.weight", (2 * hv, h), a)
+    else:
+        out[dst + "in_proj_qkv"] = _direct(src + "in_proj_qkv.weight", (cfg.conv_dim, h))
+        out[dst + "in_proj_z"] = _direct(src + "in_proj_z.weight", (cfg.value_dim, h))
+        out[dst + "in_proj_b"] = _direct(src + "in_proj_b.weight", (hv, h))
+        out[dst + "in_proj_a"] = _direct(src + "in_proj_a.weight", (hv, h))
+    out[dst + "conv1d"] = _direct(src + "conv1d.weight", (cfg.conv_dim, cfg.conv_kernel),
+                                  (cfg.conv_dim, 1, cfg.conv_kernel))
+    out[dst + "dt_bias"] = _direct(src + "dt_bias", (hv,))
+    out[dst + "A_log"] = _direct(src + "A_log", (hv,))
+    out[dst + "norm"] = _direct(src + "norm.weight", (cfg.linear_value_head_dim,))
+    out[dst + "out_proj"] = _direct(src + "out_proj.weight", (h, cfg.value_dim))
+
+
+def _moe_params(cfg: ModelConfig, out: dict, names: set[str], src: str, dst: str) -> None:
+    h, e, i, i_s = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
+    out[dst + "gate"] = _direct(src + "gate.weight", (e, h))
+    if src + "experts.gate_up_proj" in names:  # stacked (Qwen3.5 Hub form, or save_original_format=False)
+        out[dst + "experts.gate_proj"] = _rows(src + "experts.gate_up_proj", (e, 2 * i, h), range(i), axis=1)
+        out[dst + "experts.up_proj"] = _rows(src + "experts.gate_up_proj", (e, 2 * i, h), range(i, 2 * i), axis=1)
+        out[dst + "experts.down_proj"] = _direct(src + "experts.down_proj", (e, h, i))
+    else:  # one tensor per expert (Qwen3-Next Hub form, and what save_pretrained writes for a fresh model)
+        for proj, shape in (("gate_proj", (i, h)), ("up_proj", (i, h)), ("down_proj", (h, i))):
+            out[dst + f"experts.{proj}"] = _stack([f"{src}experts.{x}.{proj}.weight" for x in range(e)], shape)
+    out[dst + "shared_expert.gate_proj"] = _direct(src + "shared_expert.gate_proj.weight", (i_s, h))
+    out[dst + "shared_expert.up_proj"] = _direct(src + "shared_expert.up_proj.weight", (i_s, h))
+    out[dst + "shared_expert.down_proj"] = _direct(src + "shared_expert.down_proj.weight", (h, i_s))
+    out[dst + "shared_expert_gate"] = _direct(src + "shared_expert_gate.weight", (1, h))
+
+
+def resolve_paths(path: str | Path) -> tuple[Path, Path]:
+    """(config.json, weights location) for a checkpoint dir, a .safetensors file or an .index.json file."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such file or directory")
+    if path.is_dir():
+        return path / "config.json", path
+    if path.name.endswith(".safetensors") or path.name.endswith(".index.json"):
+        return path.parent / "config.json", path
+    raise CheckpointError(
+        f"{path}: not a checkpoint; give a directory, a .safetensors file or a model.safetensors.index.json"
+    )
+
+
+@attrs.define
+class Checkpoint:
+    """A validated checkpoint: config, tensor store, canonical parameter table, and what was skipped."""
+
+    path: Path
+    config: ModelConfig
+    store: TensorStore
+    params: dict[str, TensorRef]
+    ignored: list[str]
+    unknown: list[str]
+
+    @classmethod
+    def open(cls, path: str | Path) -> "Checkpoint":
+        config_path, weights = resolve_paths(path)
+        config = load_config(config_path)
+        store = TensorStore.open(weights)
+        names = set(store.names())
+        prefix = "model.language_model." if "model.language_model.embed_tokens.weight" in names else "model."
+        params = canonical_params(config, names, prefix)
+        used = {s for ref in params.values() for s in ref.sources}
+        _validate(store, params, config)
+        leftover = sorted(names - used)
+        ignored = [n for n in leftover if n.startswith(IGNORABLE_PREFIXES)]
+        unknown = [n for n in leftover if not n.startswith(IGNORABLE_PREFIXES)]
+        return cls(Path(path), config, store, params, ignored, unknown)
+
+    def source_dtypes(self, name: str) -> set[str]:
+        return {FLOAT_DTYPES[self.store.info(s).dtype] for s in self.params[name].sources}
+
+    def load(self, name: str) -> np.ndarray:
+        """Materialise one canonical parameter (reads only the tensors it is made of)."""
+        ref = self.params[name]
+        if ref.kind == "tensor":
+            return np.asarray(self.store.read(ref.sources[0])).reshape(ref.shape)
+        if ref.kind == "rows":
+            return np.take(self.store.read(ref.sources[0]), np.asarray(ref.rows), axis=ref.axis)
+        return np.stack([self.store.read(s) for s in ref.sources])
+
+    def bytes_by_dtype(self) -> dict[str, int]:
+        totals: dict[str, int] = {}
+        for name in {s for ref in self.params.values() for s in ref.sources}:
+            info = self.store.info(name)
+            totals[info.dtype] = totals.get(info.dtype, 0) + info.nbytes
+        return totals
+
+    def warn_unknown(self, stream=sys.stderr) -> None:
+        if self.unknown:
+            shown = ", ".join(self.unknown[:3]) + (" ..." if len(self.unknown) > 3 else "")
+            print(f"qcompile: warning: {len(self.unknown)} checkpoint tensors are not used by the model: {shown}",
+                  file=stream)
+
+
+def _validate(store: TensorStore, params: dict[str, TensorRef], config: ModelConfig) -> None:
+    """Every tensor the config needs is present, with the right shape and a float dtype."""
+    for canonical, ref in params.items():
+        for source in ref.sources:
+            if source not in store:
+                raise CheckpointError(
+                    f"{store.source}: tensor '{source}' is missing; config.json ({config.model_type}, "
+                    f"{config.num_layers} layers) needs it for '{canonical}'"
+                )
+            info = store.info(source)
+            if tuple(info.shape) != ref.source_shape:
+                raise CheckpointError(
+                    f"{info.path}: tensor '{source}' has shape {list(info.shape)} but config.json implies "
+                    f"{list(ref.source_shape)}"
+                )
+            if info.dtype not in FLOAT_DTYPES:
+                raise CheckpointError(
+                    f"{info.path}: tensor '{source}' has dtype {info.dtype}; weights must be F32, BF16 or F16"
+                )

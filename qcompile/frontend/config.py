@@ -1,0 +1,223 @@
+"""config.json → ModelConfig: one frozen description of the text model, whatever the family or key vintage.
+
+Why: Qwen3-Next and Qwen3.5-MoE checkpoints spell the same architecture several ways (a multimodal wrapper with
+`text_config`, a flat text-only save, legacy top-level `rope_theta` / `partial_rotary_factor` /
+`full_attention_interval` next to transformers-5 `rope_parameters` / `layer_types`). Everything downstream reads
+only `ModelConfig`, so these spellings are resolved here, once, with the defaults transformers 5.24 applies
+(spec/model.md §1).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from qcompile.errors import CheckpointError, one_line
+
+FAMILIES = ("qwen3_next", "qwen3_5_moe")
+LINEAR, FULL = "linear_attention", "full_attention"
+_WRAPPER_TYPES = {"qwen3_5_moe": "qwen3_5_moe"}
+_FLAT_TYPES = {"qwen3_next": "qwen3_next", "qwen3_5_moe_text": "qwen3_5_moe"}
+_DTYPE_NAMES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
+
+
+@attrs.frozen
+class ModelConfig:
+    """The text model's architecture. Names follow spec/model.md's notation in comments."""
+
+    family: str  # "qwen3_next" | "qwen3_5_moe"
+    model_type: str  # as written in config.json (qwen3_next, qwen3_5_moe, qwen3_5_moe_text)
+    vocab_size: int
+    hidden_size: int  # H
+    num_layers: int  # L
+    layer_types: tuple[str, ...]
+    num_heads: int  # Hq
+    num_kv_heads: int  # Hkv
+    head_dim: int  # hd
+    rope_theta: float
+    partial_rotary_factor: float
+    linear_num_key_heads: int  # Hk
+    linear_num_value_heads: int  # Hv
+    linear_key_head_dim: int  # dk
+    linear_value_head_dim: int  # dv
+    conv_kernel: int  # K
+    num_experts: int  # E
+    top_k: int  # k
+    moe_intermediate_size: int  # I
+    shared_expert_intermediate_size: int  # Is
+    intermediate_size: int  # dense-MLP width (Qwen3-Next mlp_only layers)
+    moe_layers: tuple[bool, ...]  # per layer: routed MoE (True) or dense SwiGLU MLP (False)
+    norm_topk_prob: bool
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    attention_bias: bool
+    dtype: str  # checkpoint's declared dtype: f32 | bf16 | f16
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def key_dim(self) -> int:
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.key_dim + self.value_dim
+
+    @property
+    def gva_ratio(self) -> int:  # r = Hv / Hk
+        return self.linear_num_value_heads // self.linear_num_key_heads
+
+    def layer_counts(self) -> dict[str, int]:
+        return {t: self.layer_types.count(t) for t in (LINEAR, FULL)}
+
+    def to_json(self) -> dict[str, Any]:
+        return attrs.asdict(self)
+
+
+def _need(cfg: dict, key: str, where: str) -> Any:
+    if key not in cfg:
+        raise CheckpointError(f"{where}: missing required key '{key}'")
+    return cfg[key]
+
+
+def _int(cfg: dict, key: str, where: str, default: int | None = None) -> int:
+    value = cfg.get(key, default) if default is not None else _need(cfg, key, where)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise CheckpointError(f"{where}: '{key}' must be a non-negative integer, got {value!r}")
+    return value
+
+
+def _rope(text: dict) -> tuple[float, float]:
+    """theta and partial rotary factor from rope_parameters, legacy top-level keys, or rope_scaling; default prf 0.25."""
+    params = dict(text.get("rope_parameters") or {})
+    theta = params.get("rope_theta", text.get("rope_theta", 10000.0))
+    prf = params.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25))
+    rope_type = params.get("rope_type", (text.get("rope_scaling") or {}).get("rope_type", "default"))
+    if rope_type != "default":
+        raise CheckpointError(f"config.json: rope_type '{rope_type}' is not supported (only 'default')")
+    return float(theta), float(prf)
+
+
+def _layer_types(text: dict, num_layers: int, where: str) -> tuple[str, ...]:
+    if "layer_types" in text and text["layer_types"] is not None:
+        types = tuple(text["layer_types"])
+        if len(types) != num_layers or any(t not in (LINEAR, FULL) for t in types):
+            raise CheckpointError(
+                f"{where}: layer_types must list {num_layers} entries of '{LINEAR}' / '{FULL}', got {list(types)}"
+            )
+        return types
+    interval = _int(text, "full_attention_interval", where, default=4)
+    if interval == 0:
+        raise CheckpointError(f"{where}: full_attention_interval must be positive")
+    return tuple(FULL if (i + 1) % interval == 0 else LINEAR for i in range(num_layers))
+
+
+def parse_config(raw: dict, where: str = "config.json") -> ModelConfig:
+    """Resolve a config.json dict (either family, wrapper or flat, legacy or transformers-5 keys)."""
+    model_type = raw.get("model_type")
+    if model_type in _WRAPPER_TYPES:
+        text = raw.get("text_config")
+        if not isinstance(text, dict):
+            raise CheckpointError(f"{where}: model_type '{model_type}' needs a 'text_config' object")
+        family = _WRAPPER_TYPES[model_type]
+        dtype_name = text.get("dtype") or text.get("torch_dtype") or raw.get("dtype") or raw.get("torch_dtype")
+    elif model_type in _FLAT_TYPES:
+        text, family = raw, _FLAT_TYPES[model_type]
+        dtype_name = raw.get("dtype") or raw.get("torch_dtype")
+    else:
+        known = ", ".join(sorted({**_WRAPPER_TYPES, **_FLAT_TYPES}))
+        raise CheckpointError(f"{where}: unsupported model_type {model_type!r}; qcompile reads {known}")
+
+    num_layers = _int(text, "num_hidden_layers", where)
+    hidden = _int(text, "hidden_size", where)
+    num_heads = _int(text, "num_attention_heads", where)
+    num_experts = _int(text, "num_experts", where)
+    layer_types = _layer_types(text, num_layers, where)
+    if family == "qwen3_next":
+        step = _int(text, "decoder_sparse_step", where, default=1)
+        mlp_only = set(text.get("mlp_only_layers") or [])
+        moe_layers = tuple(
+            i not in mlp_only and num_experts > 0 and step > 0 and (i + 1) % step == 0 for i in range(num_layers)
+        )
+        norm_topk = bool(text.get("norm_topk_prob", True))
+    else:  # Qwen3.5-MoE: every layer is MoE and the router always renormalises (spec §1.2)
+        moe_layers = (True,) * num_layers
+        norm_topk = True
+    theta, prf = _rope(text)
+    cfg = ModelConfig(
+        family=family,
+        model_type=model_type,
+        vocab_size=_int(text, "vocab_size", where),
+        hidden_size=hidden,
+        num_layers=num_layers,
+        layer_types=layer_types,
+        num_heads=num_heads,
+        num_kv_heads=_int(text, "num_key_value_heads", where),
+        head_dim=_int(text, "head_dim", where, default=hidden // max(num_heads, 1)),
+        rope_theta=theta,
+        partial_rotary_factor=prf,
+        linear_num_key_heads=_int(text, "linear_num_key_heads", where),
+        linear_num_value_heads=_int(text, "linear_num_value_heads", where),
+        linear_key_head_dim=_int(text, "linear_key_head_dim", where),
+        linear_value_head_dim=_int(text, "linear_value_head_dim", where),
+        conv_kernel=_int(text, "linear_conv_kernel_dim", where, default=4),
+        num_experts=num_experts,
+        top_k=_int(text, "num_experts_per_tok", where),
+        moe_intermediate_size=_int(text, "moe_intermediate_size", where),
+        shared_expert_intermediate_size=_int(text, "shared_expert_intermediate_size", where),
+        intermediate_size=_int(text, "intermediate_size", where, default=0),
+        moe_layers=moe_layers,
+        norm_topk_prob=norm_topk,
+        rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
+        tie_word_embeddings=bool(text.get("tie_word_embeddings", raw.get("tie_word_embeddings", False))),
+        attention_bias=bool(text.get("attention_bias", False)),
+        dtype=_DTYPE_NAMES.get(str(dtype_name), "bf16" if dtype_name is None else str(dtype_name)),
+    )
+    _check_consistency(cfg, where)
+    return cfg
+
+
+def _check_consistency(cfg: ModelConfig, where: str) -> None:
+    problems = []
+    if cfg.num_kv_heads == 0 or cfg.num_heads % cfg.num_kv_heads:
+        problems.append(f"num_attention_heads {cfg.num_heads} is not a multiple of num_key_value_heads {cfg.num_kv_heads}")
+    if cfg.linear_num_key_heads == 0 or cfg.linear_num_value_heads % cfg.linear_num_key_heads:
+        problems.append(
+            f"linear_num_value_heads {cfg.linear_num_value_heads} is not a multiple of "
+            f"linear_num_key_heads {cfg.linear_num_key_heads}"
+        )
+    if any(cfg.moe_layers) and not (0 < cfg.top_k <= cfg.num_experts):
+        problems.append(f"num_experts_per_tok {cfg.top_k} must be in 1..num_experts ({cfg.num_experts})")
+    if cfg.rotary_dim % 2:
+        problems.append(f"rotary dims head_dim x partial_rotary_factor = {cfg.rotary_dim} must be even")
+    if not all(cfg.moe_layers) and cfg.intermediate_size == 0:
+        problems.append("dense MLP layers need intermediate_size > 0")
+    if cfg.attention_bias:
+        problems.append("attention_bias = true is not supported (no released checkpoint uses it)")
+    if cfg.dtype not in ("f32", "bf16", "f16"):
+        problems.append(f"dtype {cfg.dtype!r} is not one of float32, bfloat16, float16")
+    if problems:
+        raise CheckpointError(one_line(f"{where}: " + "; ".join(problems)))
+
+
+def load_config(path: str | Path) -> ModelConfig:
+    """Read and resolve a config.json file."""
+    path = Path(path)
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: config.json not found; a checkpoint needs its config.json beside the weights")
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CheckpointError(one_line(f"{path}: not valid JSON ({err})"))
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{path}: expected a JSON object")
+    return parse_config(raw, where=str(path))

@@ -1,0 +1,237 @@
+"""Core ops: graph inputs and parameters, embedding, norms, linear algebra, shape plumbing, elementwise math.
+
+Dtype policy mirrors transformers' CPU forward (spec/model.md §3.7): norms compute in f32 and cast once at the end;
+matmuls take and return the activation dtype with f32 accumulation.
+"""
+
+from __future__ import annotations
+
+import attrs
+import jax
+import jax.numpy as jnp
+
+from qcompile.ir.registry import expect, lowering, op, type_rule
+from qcompile.ir.types import TensorType, num_elements_key, np_dtype
+
+HIGHEST = jax.lax.Precision.HIGHEST
+
+
+@op("input")
+@attrs.frozen
+class Input:
+    """A named runtime input of the step graph (token ids, batch metadata, a cache)."""
+
+    name: str
+    type: TensorType
+
+
+@op("param")
+@attrs.frozen
+class Param:
+    """A weight: names a canonical checkpoint parameter (see frontend.checkpoint); the graph holds no data."""
+
+    name: str
+    type: TensorType
+
+
+@type_rule(Input)
+@type_rule(Param)
+def _leaf_type(op_):
+    return op_.type
+
+
+@op("embed")
+@attrs.frozen
+class Embed:
+    """embed(table[V,H], ids[T]) -> [T,H]: row lookup."""
+
+
+@type_rule(Embed)
+def _embed_type(op_, table, ids):
+    expect(table.rank == 2 and ids.rank == 1 and ids.dtype == "i32", f"embed wants table[V,H], ids i32[T]; got {table}, {ids}")
+    return TensorType(table.dtype, (ids.shape[0], table.shape[1]))
+
+
+@lowering(Embed)
+def _embed(op_, table, ids):
+    return jnp.take(table, ids, axis=0, mode="clip")
+
+
+@op("rmsnorm")
+@attrs.frozen
+class RmsNorm:
+    """rmsnorm(x[...,D], w[D]): x·rsqrt(mean(x²)+eps)·(1+w if zero_centered else w), in f32, cast once to x's dtype."""
+
+    eps: float
+    zero_centered: bool
+
+
+@type_rule(RmsNorm)
+def _rmsnorm_type(op_, x, w):
+    expect(w.rank == 1 and x.shape[-1] == w.shape[0], f"rmsnorm weight {w} does not match input {x}")
+    return x
+
+
+@lowering(RmsNorm)
+def _rmsnorm(op_, x, w):
+    xf = x.astype(jnp.float32)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + op_.eps)
+    wf = w.astype(jnp.float32)
+    return (y * (1.0 + wf if op_.zero_centered else wf)).astype(x.dtype)
+
+
+@op("linear")
+@attrs.frozen
+class Linear:
+    """linear(x[...,K], w[N,K]) -> [...,N] = x·wᵀ (HF stores weights [out, in]); f32 accumulation."""
+
+
+@type_rule(Linear)
+def _linear_type(op_, x, w):
+    expect(w.rank == 2 and x.shape[-1] == w.shape[1], f"linear weight {w} does not match input {x}")
+    expect(x.dtype == w.dtype, f"linear dtypes differ: {x.dtype} vs {w.dtype}")
+    return TensorType(x.dtype, (*x.shape[:-1], w.shape[0]))
+
+
+@lowering(Linear)
+def _linear(op_, x, w):
+    y = jnp.einsum("...k,nk->...n", x, w, precision=HIGHEST, preferred_element_type=jnp.float32)
+    return y.astype(x.dtype)
+
+
+@op("reshape")
+@attrs.frozen
+class Reshape:
+    """reshape(x) to `shape` (same element count)."""
+
+    shape: tuple = attrs.field(converter=tuple)
+
+
+@type_rule(Reshape)
+def _reshape_type(op_, x):
+    expect(num_elements_key(x.shape) == num_elements_key(op_.shape), f"reshape {x} to {list(op_.shape)} changes size")
+    return x.with_shape(op_.shape)
+
+
+@lowering(Reshape)
+def _reshape(op_, x):
+    sizes = [d if isinstance(d, int) else -1 for d in op_.shape]
+    return x.reshape(sizes)
+
+
+@op("slice")
+@attrs.frozen
+class Slice:
+    """slice(x) = x[..., start:stop, ...] along `axis`."""
+
+    axis: int
+    start: int
+    stop: int
+
+
+@type_rule(Slice)
+def _slice_type(op_, x):
+    dim = x.shape[op_.axis]
+    expect(isinstance(dim, int) and 0 <= op_.start < op_.stop <= dim, f"slice {op_.start}:{op_.stop} out of {x}")
+    shape = list(x.shape)
+    shape[op_.axis] = op_.stop - op_.start
+    return x.with_shape(shape)
+
+
+@lowering(Slice)
+def _slice(op_, x):
+    return jax.lax.slice_in_dim(x, op_.start, op_.stop, axis=op_.axis % x.ndim)
+
+
+@op("take_rows")
+@attrs.frozen
+class TakeRows:
+    """take_rows(x[T,...], idx i32[R]) -> [R,...]: rows picked by index (e.g. the tokens whose logits are wanted)."""
+
+
+@type_rule(TakeRows)
+def _take_rows_type(op_, x, idx):
+    expect(idx.rank == 1 and idx.dtype == "i32", f"take_rows index must be i32[R], got {idx}")
+    return x.with_shape((idx.shape[0], *x.shape[1:]))
+
+
+@lowering(TakeRows)
+def _take_rows(op_, x, idx):
+    return jnp.take(x, idx, axis=0, mode="clip")
+
+
+def _broadcast(a: TensorType, b: TensorType, what: str) -> TensorType:
+    expect(a.dtype == b.dtype, f"{what}: dtypes differ ({a}, {b})")
+    expect(a.rank == b.rank, f"{what}: ranks differ ({a}, {b})")
+    shape = []
+    for x, y in zip(a.shape, b.shape):
+        expect(x == y or x == 1 or y == 1, f"{what}: shapes {a} and {b} do not broadcast")
+        shape.append(y if x == 1 else x)
+    return a.with_shape(shape)
+
+
+@op("add")
+@attrs.frozen
+class Add:
+    """add(x, y): elementwise sum with size-1 broadcasting, in the operands' dtype."""
+
+
+@op("mul")
+@attrs.frozen
+class Mul:
+    """mul(x, y): elementwise product with size-1 broadcasting, in the operands' dtype."""
+
+
+@type_rule(Add)
+@type_rule(Mul)
+def _binary_type(op_, x, y):
+    return _broadcast(x, y, op_.op_name)
+
+
+@lowering(Add)
+def _add(op_, x, y):
+    return x + y
+
+
+@lowering(Mul)
+def _mul(op_, x, y):
+    return x * y
+
+
+ACTIVATIONS = {"silu": jax.nn.silu, "sigmoid": jax.nn.sigmoid}
+
+
+@op("activation")
+@attrs.frozen
+class Activation:
+    """activation(x) {fn = silu | sigmoid}, elementwise in x's dtype."""
+
+    fn: str = attrs.field(validator=attrs.validators.in_(tuple(ACTIVATIONS)))
+
+
+@type_rule(Activation)
+def _activation_type(op_, x):
+    return x
+
+
+@lowering(Activation)
+def _activation(op_, x):
+    return ACTIVATIONS[op_.fn](x)
+
+
+@op("cast")
+@attrs.frozen
+class Cast:
+    """cast(x) to `dtype`."""
+
+    dtype: str
+
+
+@type_rule(Cast)
+def _cast_type(op_, x):
+    return x.with_dtype(op_.dtype)
+
+
+@lowering(Cast)
+def _cast(op_, x):
+    return x.astype(np_dtype(op_.dtype))

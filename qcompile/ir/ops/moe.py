@@ -1,0 +1,115 @@
+"""Mixture-of-experts ops: router top-k, dispatch into expert-sorted groups, grouped matmul, combine
+(spec/model.md §3.6).
+
+The routed MLP is written as dispatch → grouped_matmul(gate), grouped_matmul(up) → silu·mul → grouped_matmul(down)
+→ combine, so that later passes can fuse the SwiGLU into one grouped matmul or replace dispatch/combine by
+collectives without touching the rest.
+"""
+
+from __future__ import annotations
+
+import attrs
+import jax
+import jax.numpy as jnp
+
+from qcompile.ir.registry import expect, lowering, op, type_rule
+from qcompile.ir.types import TensorType, dim_mul
+
+HIGHEST = jax.lax.Precision.HIGHEST
+
+
+@op("router_topk")
+@attrs.frozen
+class RouterTopK:
+    """router_topk(logits[T,E]) -> (weights[T,k] in logits' dtype, expert ids i32[T,k]).
+
+    softmax in f32, top-k (descending), renormalised to sum 1 in f32 when `renormalize`, then cast.
+    """
+
+    k: int
+    renormalize: bool
+
+
+@type_rule(RouterTopK)
+def _router_type(op_, logits):
+    expect(logits.rank == 2 and isinstance(logits.shape[1], int) and op_.k <= logits.shape[1],
+           f"router wants [T,E] with E ≥ {op_.k}, got {logits}")
+    shape = (logits.shape[0], op_.k)
+    return TensorType(logits.dtype, shape), TensorType("i32", shape)
+
+
+@lowering(RouterTopK)
+def _router(op_, logits):
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    weights, ids = jax.lax.top_k(probs, op_.k)
+    if op_.renormalize:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights.astype(logits.dtype), ids.astype(jnp.int32)
+
+
+@op("moe_dispatch")
+@attrs.frozen
+class MoeDispatch:
+    """moe_dispatch(x[T,H], ids[T,k]) -> (rows[T*k,H] sorted by expert, group_sizes i32[E], order i32[T*k]).
+
+    order[r] is the flattened (token·k + slot) assignment that sorted row r came from; stable in token order.
+    """
+
+    num_experts: int
+
+
+@type_rule(MoeDispatch)
+def _dispatch_type(op_, x, ids):
+    expect(x.rank == 2 and ids.rank == 2 and ids.shape[0] == x.shape[0] and ids.dtype == "i32", f"dispatch: {x}, {ids}")
+    rows = dim_mul(x.shape[0], ids.shape[1])
+    return x.with_shape((rows, x.shape[1])), TensorType("i32", (op_.num_experts,)), TensorType("i32", (rows,))
+
+
+@lowering(MoeDispatch)
+def _dispatch(op_, x, ids):
+    flat = ids.reshape(-1)
+    order = jnp.argsort(flat, stable=True).astype(jnp.int32)
+    rows = jnp.take(x, order // ids.shape[1], axis=0)
+    group_sizes = jnp.bincount(flat, length=op_.num_experts).astype(jnp.int32)
+    return rows, group_sizes, order
+
+
+@op("grouped_matmul")
+@attrs.frozen
+class GroupedMatmul:
+    """grouped_matmul(rows[N,K], w[E,Nout,K], group_sizes[E]) -> [N,Nout]: consecutive row groups times their expert's wᵀ."""
+
+
+@type_rule(GroupedMatmul)
+def _gmm_type(op_, rows, w, group_sizes):
+    expect(w.rank == 3 and rows.rank == 2 and rows.shape[1] == w.shape[2], f"grouped_matmul: {rows} vs {w}")
+    expect(group_sizes.shape == (w.shape[0],), f"group_sizes {group_sizes} do not match {w.shape[0]} experts")
+    expect(rows.dtype == w.dtype, f"grouped_matmul dtypes differ: {rows.dtype} vs {w.dtype}")
+    return rows.with_shape((rows.shape[0], w.shape[1]))
+
+
+@lowering(GroupedMatmul)
+def _gmm(op_, rows, w, group_sizes):
+    out = jax.lax.ragged_dot(rows, jnp.swapaxes(w, 1, 2), group_sizes, precision=HIGHEST,
+                             preferred_element_type=jnp.float32)
+    return out.astype(rows.dtype)
+
+
+@op("moe_combine")
+@attrs.frozen
+class MoeCombine:
+    """moe_combine(rows[T*k,H], order[T*k], weights[T,k]) -> [T,H] = Σ_slot weight · row, summed in f32."""
+
+
+@type_rule(MoeCombine)
+def _combine_type(op_, rows, order, weights):
+    expect(rows.rank == 2 and weights.rank == 2 and rows.shape[0] == order.shape[0], f"combine: {rows}, {order}, {weights}")
+    return rows.with_shape((weights.shape[0], rows.shape[1]))
+
+
+@lowering(MoeCombine)
+def _combine(op_, rows, order, weights):
+    tokens, k = weights.shape
+    unsorted = jnp.zeros_like(rows).at[order].set(rows).reshape(tokens, k, rows.shape[1])
+    out = jnp.einsum("tkh,tk->th", unsorted.astype(jnp.float32), weights.astype(jnp.float32), precision=HIGHEST)
+    return out.astype(rows.dtype)

@@ -1,0 +1,115 @@
+"""Tensor types of IR values: a dtype and a shape whose dims are integers or symbolic expressions.
+
+Why symbolic: one step graph serves every shape bucket (design.md §3). Batch-like dims are named — `T` tokens in the
+step, `B` sequences, `R` logit rows, `P` KV pages, `M` pages per sequence, `S` state slots — and the runtime binds
+them per bucket. A dim is an int or a small expression over those names (`T*8`, `B+1`).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Union
+
+import attrs
+import numpy as np
+
+Dim = Union[int, str]
+DTYPES = ("f32", "bf16", "f16", "i32", "bool")
+_EXPR = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*([*+][A-Za-z0-9_]+)*$")
+
+
+def np_dtype(name: str):
+    """numpy / JAX dtype for an IR dtype name."""
+    import ml_dtypes
+
+    return {"f32": np.float32, "bf16": ml_dtypes.bfloat16, "f16": np.float16, "i32": np.int32, "bool": np.bool_}[name]
+
+
+def dtype_name(dtype) -> str:
+    """IR dtype name for a numpy / JAX dtype."""
+    import ml_dtypes
+
+    table = {np.dtype(np.float32): "f32", np.dtype(ml_dtypes.bfloat16): "bf16", np.dtype(np.float16): "f16",
+             np.dtype(np.int32): "i32", np.dtype(np.bool_): "bool"}
+    return table[np.dtype(dtype)]
+
+
+def check_dim(dim: Dim) -> Dim:
+    if isinstance(dim, bool) or not isinstance(dim, (int, str)):
+        raise TypeError(f"dim must be int or str, got {dim!r}")
+    if isinstance(dim, int) and dim < 0:
+        raise ValueError(f"negative dim {dim}")
+    if isinstance(dim, str) and not _EXPR.match(dim.replace(" ", "")):
+        raise ValueError(f"bad symbolic dim {dim!r}")
+    return dim
+
+
+def dim_mul(a: Dim, b: Dim) -> Dim:
+    """Product of two dims, folded when both are integers."""
+    if isinstance(a, int) and isinstance(b, int):
+        return a * b
+    if a == 1:
+        return b
+    if b == 1:
+        return a
+    return f"{a}*{b}"
+
+
+def evaluate(dim: Dim, sizes: dict[str, int]) -> int:
+    """Value of a dim once the symbols are bound."""
+    if isinstance(dim, int):
+        return dim
+    try:
+        return int(eval(dim, {"__builtins__": {}}, dict(sizes)))  # noqa: S307 - checked by _EXPR
+    except NameError as err:
+        raise KeyError(f"symbolic dim {dim!r} needs a size: {err}") from None
+
+
+def num_elements_key(shape: tuple[Dim, ...]) -> tuple[int, tuple[str, ...]]:
+    """(integer factor, sorted symbolic factors) of a shape's element count, for reshape checks."""
+    const, syms = 1, []
+    for dim in shape:
+        factors = [dim] if isinstance(dim, int) else dim.split("*")
+        for f in factors:
+            if isinstance(f, int) or f.isdigit():
+                const *= int(f)
+            else:
+                syms.append(f)
+    return const, tuple(sorted(syms))
+
+
+@attrs.frozen
+class TensorType:
+    """dtype + shape; prints as `f32[T,96]`."""
+
+    dtype: str = attrs.field(validator=attrs.validators.in_(DTYPES))
+    shape: tuple[Dim, ...] = attrs.field(converter=tuple)
+
+    def __attrs_post_init__(self):
+        for dim in self.shape:
+            check_dim(dim)
+
+    @property
+    def rank(self) -> int:
+        return len(self.shape)
+
+    def with_shape(self, shape) -> "TensorType":
+        return TensorType(self.dtype, tuple(shape))
+
+    def with_dtype(self, dtype: str) -> "TensorType":
+        return TensorType(dtype, self.shape)
+
+    def bind(self, sizes: dict[str, int]) -> tuple[int, ...]:
+        return tuple(evaluate(d, sizes) for d in self.shape)
+
+    def __str__(self) -> str:
+        return f"{self.dtype}[{','.join(str(d) for d in self.shape)}]"
+
+
+def parse_type(text: str) -> TensorType:
+    """Inverse of str(TensorType)."""
+    m = re.fullmatch(r"(\w+)\[(.*)\]", text.strip())
+    if not m:
+        raise ValueError(f"bad tensor type {text!r}")
+    dims = [d.strip() for d in m.group(2).split(",") if d.strip()]
+    return TensorType(m.group(1), tuple(int(d) if d.isdigit() else d for d in dims))

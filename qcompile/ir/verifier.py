@@ -1,0 +1,50 @@
+"""Verifier: structural and type invariants of a Graph; runs after every pass that changed the graph.
+
+Checks: acyclic; every operand names an existing result; edges mirror operands; every op is registered and its
+stored result types equal what its type rule infers from its operands; inputs and params have unique names;
+outputs exist. Failures raise VerificationError (exit code 4) naming the node in text form.
+"""
+
+from __future__ import annotations
+
+import networkx as nx
+
+from qcompile.errors import VerificationError
+from qcompile.ir.graph import Graph
+from qcompile.ir.ops.core import Input, Param
+from qcompile.ir.printer import describe_node
+from qcompile.ir.registry import LOWERINGS, OPS, OpTypeError, infer_types
+
+
+def verify(graph: Graph) -> None:
+    dag = graph.dag
+    if not nx.is_directed_acyclic_graph(dag):
+        cycle = nx.find_cycle(dag)
+        raise VerificationError(f"graph has a cycle through nodes {[u for u, _ in cycle]}")
+    leaves: dict[tuple[str, str], int] = {}
+    for node in graph.nodes():
+        where = describe_node(graph, node)
+        if OPS.get(getattr(node.op, "op_name", None)) is not type(node.op):
+            raise VerificationError(f"unregistered op {type(node.op).__name__} in: {where}")
+        if not isinstance(node.op, (Input, Param)) and type(node.op) not in LOWERINGS:
+            raise VerificationError(f"op {node.op.op_name} has no lowering rule: {where}")
+        for value in node.operands:
+            if value.node not in dag or value.index >= len(graph.node(value.node).types):
+                raise VerificationError(f"operand {value} is not defined: {where}")
+        if set(dag.predecessors(node.id)) != {v.node for v in node.operands}:
+            raise VerificationError(f"edges do not match operands: {where}")
+        try:
+            inferred = infer_types(node.op, [graph.type_of(v) for v in node.operands])
+        except OpTypeError as err:
+            raise VerificationError(f"type error ({err}): {where}") from None
+        if tuple(inferred) != tuple(node.types):
+            shown = ", ".join(str(t) for t in inferred)
+            raise VerificationError(f"result types do not match the type rule (expected {shown}): {where}")
+        if isinstance(node.op, (Input, Param)):
+            key = (node.op.op_name, node.op.name)
+            if key in leaves:
+                raise VerificationError(f"{key[0]} {key[1]!r} defined twice: {where}")
+            leaves[key] = node.id
+    for name, value in graph.outputs.items():
+        if value.node not in dag or value.index >= len(graph.node(value.node).types):
+            raise VerificationError(f"output {name!r} refers to an undefined value {value}")

@@ -1,0 +1,107 @@
+"""Gated DeltaNet delta rule over a ragged batch: a recurrent form (decode) and a chunked form (prefill).
+
+Both take q, k already L2-normalised (q also scaled by dk^-0.5) and expanded to the value heads, work in f32, and
+keep one state per sequence in a slot array S[slot] ∈ R^{Hv×dk×dv} (spec/model.md §3.5 f–g):
+
+    S = exp(g)·S;  S = S + k ⊗ β(v − Sᵀk);  o = Sᵀq          (read after the write)
+
+Recurrent: one scan step per token slot, gathering and scattering that token's sequence state.
+Chunked: each sequence's tokens are laid out in chunks of C (zero padded: padded rows have g = β = k = 0, which
+leaves the state exactly unchanged); one scan step per chunk solves the chunk in closed form with a unit-triangular
+solve. The two agree to f32 rounding.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.scipy.linalg import solve_triangular
+
+from qcompile.kernels.ragged import slot_or_drop, token_layout
+
+HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def _mm(spec, *args):
+    return jnp.einsum(spec, *args, precision=HIGHEST)
+
+
+def gdn_recurrent_reference(q, k, v, g, beta, state, query_start, state_slots):
+    """q,k [T,H,dk], v [T,H,dv], g,beta [T,H] (f32), state [S,H,dk,dv] f32 -> (o [T,H,dv] f32, new state)."""
+    num_tokens = q.shape[0]
+    num_slots = state.shape[0]
+    lay = token_layout(query_start, num_tokens)
+    slots = slot_or_drop(lay.valid, state_slots[lay.seq], num_slots)
+
+    def step(states, xs):
+        qt, kt, vt, gt, bt, slot = xs
+        s = states.at[slot].get(mode="fill", fill_value=0.0)  # [H,dk,dv]
+        s = s * jnp.exp(gt)[:, None, None]
+        predicted = _mm("hkv,hk->hv", s, kt)
+        s = s + kt[:, :, None] * (bt[:, None] * (vt - predicted))[:, None, :]
+        out = _mm("hkv,hk->hv", s, qt)
+        return states.at[slot].set(s, mode="drop"), out
+
+    new_state, out = jax.lax.scan(step, state, (q, k, v, g, beta, slots))
+    return out, new_state
+
+
+def _chunk_layout(query_start, num_tokens: int, chunk: int):
+    """Padded position of each token and (sequence, used) of each chunk in a chunk-aligned ragged layout."""
+    num_seqs = query_start.shape[0] - 1
+    lay = token_layout(query_start, num_tokens)
+    padded = (lay.lengths + chunk - 1) // chunk * chunk
+    offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(padded).astype(jnp.int32)])
+    num_chunks = -(-(num_tokens + num_seqs * (chunk - 1)) // chunk)
+    position = jnp.where(lay.valid, offsets[lay.seq] + lay.local, num_chunks * chunk)
+    start = jnp.arange(num_chunks, dtype=jnp.int32) * chunk
+    chunk_seq = jnp.clip(jnp.searchsorted(offsets[:-1], start, side="right").astype(jnp.int32) - 1, 0, num_seqs - 1)
+    used = start < offsets[chunk_seq] + padded[chunk_seq]
+    return lay, position, chunk_seq, used, num_chunks
+
+
+def _solve_chunk(s, q, k, v, g, beta):
+    """One chunk for all heads. s [H,dk,dv]; q,k [C,H,dk]; v [C,H,dv]; g,beta [C,H]."""
+    size = q.shape[0]
+    gamma = jnp.cumsum(g, axis=0)  # [C,H]
+    diff = gamma[:, None, :] - gamma[None, :, :]  # [i,j,H]
+    causal = jnp.tril(jnp.ones((size, size), bool))[:, :, None]
+    decay = jnp.where(causal, jnp.exp(jnp.where(causal, diff, 0.0)), 0.0)  # Γ_ij, diagonal 1
+    strict = jnp.tril(jnp.ones((size, size), bool), -1)[:, :, None]
+    a = jnp.where(strict, beta[:, None, :] * _mm("ihd,jhd->ijh", k, k) * decay, 0.0)
+    eye = jnp.eye(size, dtype=jnp.float32)[:, :, None]
+    system = jnp.moveaxis(eye + a, 2, 0)  # [H,C,C], unit lower triangular
+    rhs = jnp.concatenate([beta[..., None] * v, (beta * jnp.exp(gamma))[..., None] * k], axis=-1)  # [C,H,dv+dk]
+    sol = solve_triangular(system, jnp.moveaxis(rhs, 1, 0), lower=True, unit_diagonal=True)  # [H,C,dv+dk]
+    dv = v.shape[-1]
+    u, w = jnp.moveaxis(sol[..., :dv], 0, 1), jnp.moveaxis(sol[..., dv:], 0, 1)  # [C,H,dv], [C,H,dk]
+    v_new = u - _mm("chk,hkv->chv", w, s)
+    out = _mm("chk,hkv->chv", q * jnp.exp(gamma)[..., None], s) + _mm("ijh,jhv->ihv", _mm("ihk,jhk->ijh", q, k) * decay, v_new)
+    last = gamma[-1]  # [H]
+    s_new = s * jnp.exp(last)[:, None, None] + _mm("chk,chv->hkv", k * jnp.exp(last[None, :] - gamma)[..., None], v_new)
+    return out, s_new
+
+
+def gdn_chunked_reference(q, k, v, g, beta, state, query_start, state_slots, chunk: int = 64):
+    """Same contract as gdn_recurrent_reference, computed chunk by chunk."""
+    num_tokens, heads, _ = q.shape
+    dv = v.shape[-1]
+    num_slots = state.shape[0]
+    lay, position, chunk_seq, used, num_chunks = _chunk_layout(query_start, num_tokens, chunk)
+
+    def to_chunks(x):
+        buf = jnp.zeros((num_chunks * chunk, *x.shape[1:]), x.dtype).at[position].set(x, mode="drop")
+        return buf.reshape(num_chunks, chunk, *x.shape[1:])
+
+    slots = slot_or_drop(used, state_slots[chunk_seq], num_slots)
+
+    def step(states, xs):
+        qc, kc, vc, gc, bc, slot = xs
+        s = states.at[slot].get(mode="fill", fill_value=0.0)
+        out, s = _solve_chunk(s, qc, kc, vc, gc, bc)
+        return states.at[slot].set(s, mode="drop"), out
+
+    xs = (to_chunks(q), to_chunks(k), to_chunks(v), to_chunks(g), to_chunks(beta), slots)
+    new_state, out = jax.lax.scan(step, state, xs)
+    out = out.reshape(num_chunks * chunk, heads, dv)
+    return jnp.take(out, jnp.clip(position, 0, num_chunks * chunk - 1), axis=0) * lay.valid[:, None, None], new_state
