@@ -9,8 +9,6 @@ grows. The scheduler proper (continuous batching policies) is a later layer on t
 from __future__ import annotations
 
 import math
-import sys
-
 import attrs
 import jax
 import jax.numpy as jnp
@@ -177,14 +175,3 @@ class Engine:
         if prompt_logits:
             result["prompt_logits"] = first
         return result
-
-
-def load_params(checkpoint, graph: Graph, dtype: str, stream=sys.stderr) -> dict:
-    """Read every parameter the graph names from the checkpoint, cast to the graph's dtype, onto the device."""
-    from qcompile.ir.ops.core import Param
-
-    out = {}
-    for node in graph.find(Param):
-        array = checkpoint.load(node.op.name).astype(np_dtype(node.op.type.dtype))
-        out[node.op.name] = jnp.asarray(array)
-    return out

@@ -1,0 +1,124 @@
+"""`qcompile init-tiny`: write a random Hugging Face-format checkpoint (config.json + model.safetensors), no torch.
+
+Why: nothing can be downloaded here, and tests, examples and benchmarks need real checkpoints of the real
+architecture. The files use the Hub's layouts — Qwen3.5-MoE as the multimodal wrapper config with
+`model.language_model.` names and stacked experts, Qwen3-Next flat with per-expert tensors and the grouped
+`in_proj_qkvz` / `in_proj_ba` — so transformers loads them and the loader is exercised on what users have.
+
+Every parameter is drawn at a well-conditioned scale (spec/model.md §4.3): zero-centred norm offsets ~ N(0, 0.2),
+the GDN gated-norm weight 1 + N(0, 0.2), A_log = log U(1, 16), dt_bias ~ N(0, 0.5), linear weights ~ N(0, 1/fan_in),
+so a (1+w)-versus-w bug or a dropped gate changes the logits.
+
+Presets:
+  tiny  — vocab 512, H 96, 4 layers (3 GDN + 1 attention), Hq 4, Hkv 2, hd 64, Hk 2, Hv 4, dk 16, dv 32, E 8, top-2,
+          I 40, Is 56: about 0.8 M parameters, distinct dims so a transposed layout cannot hide.
+  bench — vocab 32000, H 1024, 8 layers (GDN,GDN,GDN,attn ×2), Hq 8, Hkv 2, hd 128, Hk 4, Hv 8, dk = dv = 128,
+          E 64, top-8, I 256, Is 512: about 510 M parameters (2.0 GB in f32), the Qwen3.5 pattern at a size that
+          runs on a 24 GiB CPU machine.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+from qcompile.errors import UsageError
+from qcompile.frontend.checkpoint import canonical_params
+from qcompile.frontend.config import parse_config
+from qcompile.frontend.safetensors_io import write_safetensors
+
+PRESETS = {
+    "tiny": dict(vocab_size=512, hidden_size=96, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                 head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                 linear_value_head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=40,
+                 shared_expert_intermediate_size=56, rope_theta=10000.0),
+    "bench": dict(vocab_size=32000, hidden_size=1024, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
+                  head_dim=128, linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=128,
+                  linear_value_head_dim=128, num_experts=64, num_experts_per_tok=8, moe_intermediate_size=256,
+                  shared_expert_intermediate_size=512, rope_theta=10000000.0),
+}
+TORCH_DTYPE = {"f32": "float32", "bf16": "bfloat16"}
+
+
+def text_config(preset: str, family: str, dtype: str) -> dict:
+    if preset not in PRESETS:
+        raise UsageError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    base = dict(PRESETS[preset])
+    layers = base["num_hidden_layers"]
+    base.update(
+        hidden_act="silu", rms_norm_eps=1e-6, linear_conv_kernel_dim=4, attention_bias=False, attention_dropout=0.0,
+        max_position_embeddings=4096, tie_word_embeddings=False, initializer_range=0.02, bos_token_id=1, eos_token_id=2,
+        pad_token_id=0, router_aux_loss_coef=0.001, output_router_logits=False, use_cache=True,
+        layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)],
+        dtype=TORCH_DTYPE[dtype],
+    )
+    theta = base.pop("rope_theta")
+    rope = {"rope_type": "default", "rope_theta": theta, "partial_rotary_factor": 0.25}
+    if family == "qwen3_5_moe":
+        rotary_half = int(base["head_dim"] * 0.25) // 2
+        third = rotary_half // 3
+        rope.update(mrope_interleaved=True, mrope_section=[rotary_half - 2 * third, third, third])
+        base["model_type"] = "qwen3_5_moe_text"
+    else:
+        base.update(model_type="qwen3_next", decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
+                    intermediate_size=2 * base["moe_intermediate_size"] + 32)
+    base["rope_parameters"] = rope
+    return base
+
+
+def full_config(preset: str, family: str, dtype: str) -> dict:
+    text = text_config(preset, family, dtype)
+    if family == "qwen3_next":
+        return {"architectures": ["Qwen3NextForCausalLM"], **text}
+    if family == "qwen3_5_moe":
+        return {"architectures": ["Qwen3_5MoeForConditionalGeneration"], "model_type": "qwen3_5_moe",
+                "text_config": text, "tie_word_embeddings": False, "dtype": TORCH_DTYPE[dtype]}
+    raise UsageError(f"unknown family {family!r}; choose qwen3_5_moe or qwen3_next")
+
+
+def _init(name: str, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+    if name.endswith("linear_attn.norm.weight"):
+        return 1.0 + rng.normal(0.0, 0.2, shape)
+    if name.endswith("norm.weight"):  # zero-centred RMSNorms: input/post/final, q_norm, k_norm
+        return rng.normal(0.0, 0.2, shape)
+    if name.endswith("A_log"):
+        return np.log(rng.uniform(1.0, 16.0, shape))
+    if name.endswith("dt_bias"):
+        return rng.normal(0.0, 0.5, shape)
+    if name.endswith("conv1d.weight"):
+        return rng.normal(0.0, shape[-1] ** -0.5, shape)
+    if name.endswith("embed_tokens.weight"):
+        return rng.normal(0.0, 1.0, shape)
+    return rng.normal(0.0, shape[-1] ** -0.5, shape)
+
+
+def write_tiny(out_dir: str | Path, family: str = "qwen3_5_moe", preset: str = "tiny", seed: int = 0,
+               dtype: str = "f32") -> Path:
+    """Write config.json, generation_config.json and model.safetensors; return the directory."""
+    if dtype not in TORCH_DTYPE:
+        raise UsageError(f"unknown dtype {dtype!r}; choose f32 or bf16")
+    out = Path(out_dir)
+    config = full_config(preset, family, dtype)
+    cfg = parse_config(config)
+    prefix = "model.language_model." if family == "qwen3_5_moe" else "model."
+    stacked = {f"{prefix}layers.{i}.mlp.experts.gate_up_proj" for i in range(cfg.num_layers)} if family == "qwen3_5_moe" else set()
+    refs = canonical_params(cfg, stacked, prefix)
+    sources: dict[str, tuple[int, ...]] = {}
+    for ref in refs.values():
+        for source in ref.sources:
+            sources[source] = ref.source_shape
+    np_dtype = np.float32 if dtype == "f32" else ml_dtypes.bfloat16
+    tensors = {}
+    for name in sorted(sources):
+        rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
+        tensors[name] = _init(name, sources[name], rng).astype(np.float32).astype(np_dtype)
+    out.mkdir(parents=True, exist_ok=True)
+    write_safetensors(out / "model.safetensors", tensors, metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    generation = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "do_sample": False}
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    return out
