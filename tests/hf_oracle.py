@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import pathlib
 import shutil
 import zlib
@@ -207,8 +206,9 @@ def make_hf_checkpoint(out_dir, family, *, seed=0, overrides: dict | None = None
     if stacked_experts is None:
         stacked_experts = family != "qwen3_next"
     kw = _text_kwargs(family, overrides)
-    torch.manual_seed(seed)
-    model = _build_model(family, kw).eval()
+    with torch.random.fork_rng(devices=[]):  # HF's default init draws from the global RNG: leave the caller's alone
+        torch.manual_seed(seed)
+        model = _build_model(family, kw).eval()
     randomize_(model, seed)
     model.to(tdtype)
     model.config.dtype = tdtype
@@ -275,6 +275,14 @@ def hf_load(ckpt_dir, dtype="float32"):
         for k in [k for k in _MODEL_CACHE if k[0] == key[0] and k[1] == key[1]]:
             del _MODEL_CACHE[k]  # stale entry for a rewritten dir
         model = AutoModelForCausalLM.from_pretrained(str(ckpt_dir), dtype=_dtype(dtype)).eval()
+        # from_pretrained leaves the parameters as views of the mmapped safetensors files.  Copy them into fresh
+        # memory: CPU GEMM results depend (~1e-6) on the data alignment, which would make logits depend on the file
+        # layout (sharding), and a cached model must not keep a mapping of files that a test may rewrite.
+        with torch.no_grad():
+            for p in model.parameters():
+                p.data = p.data.clone()
+            for b in model.buffers():
+                b.data = b.data.clone()
         _MODEL_CACHE[key] = model
     return model
 

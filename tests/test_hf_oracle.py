@@ -112,11 +112,12 @@ def test_layout_and_randomisation(ckpts, family):
         assert 0.1 < w.std() < 0.35 and abs(w.mean()) < 0.1
     qn = _get(d, sa + "q_norm.weight")
     assert 0.1 < qn.std() < 0.35
-    gn = _get(d, f"{P}layers.0.linear_attn.norm.weight")
-    assert abs(gn.mean() - 1.0) < 0.1 and 0.1 < gn.std() < 0.35
-    a_log = _get(d, f"{P}layers.0.linear_attn.A_log")
-    assert np.all(a_log >= 0.0) and np.all(a_log <= np.log(16.0) + 1e-6) and a_log.std() > 0.05
-    assert 0.2 < _get(d, f"{P}layers.1.linear_attn.dt_bias").std() < 1.2
+    gdn = lambda leaf: np.concatenate([_get(d, f"{P}layers.{i}.linear_attn.{leaf}").ravel() for i in range(3)])
+    gn = gdn("norm.weight")  # plain-weight gated norm: 1 + N(0, 0.2)
+    assert abs(gn.mean() - 1.0) < 0.1 and 0.1 < gn.std() < 0.35 and not np.any(gn == 1.0)
+    a_log = gdn("A_log")  # log U(1, 16)
+    assert np.all(a_log >= 0.0) and np.all(a_log <= np.log(16.0) + 1e-6) and a_log.std() > 0.2
+    assert 0.2 < gdn("dt_bias").std() < 1.0
     qp = _get(d, sa + "q_proj.weight")
     assert abs(qp.std() - HID ** -0.5) < 0.02
     conv = _get(d, f"{P}layers.0.linear_attn.conv1d.weight")
@@ -186,13 +187,17 @@ def test_greedy_matches_full_forward(ckpts, family):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("n,split", [(40, 17), (90, 70)])  # (90, 70): prompt and total cross the 64-token GDN chunk
-def test_chunked_matches_full_forward(ckpts, family, n, split):
+# (90, 70): the prompt and the total cross the 64-token GDN chunk; fp32 noise grows with length (spec section 5
+# suggests atol 2e-4 for end-to-end fp32 logits), so that case gets the looser bound.
+@pytest.mark.parametrize("n,split,atol", [(40, 17, 1e-4), (90, 70, 2e-4)])
+def test_chunked_matches_full_forward(ckpts, family, n, split, atol):
     d = ckpts[family]
     ids = _ids(n, seed=11)
     tail = H.hf_chunked_logits(d, ids, split)
     assert tail.shape == (n - split, V)
-    np.testing.assert_allclose(tail, H.hf_logits(d, ids)[split:], atol=1e-4, rtol=0)
+    full = H.hf_logits(d, ids)
+    np.testing.assert_allclose(tail, full[split:], atol=atol, rtol=0)
+    assert np.abs(tail - full[split - 1:-1]).max() > 0.1  # really the tail positions, not shifted by one
 
 
 @pytest.mark.parametrize("family", FAMILIES)

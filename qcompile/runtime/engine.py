@@ -8,7 +8,9 @@ grows. The scheduler proper (continuous batching policies) is a later layer on t
 
 from __future__ import annotations
 
+import functools
 import math
+import weakref
 import attrs
 import jax
 import jax.numpy as jnp
@@ -43,6 +45,27 @@ class Sequence:
     length: int = 0  # tokens already in the cache
 
 
+_JITTED: "weakref.WeakKeyDictionary[Graph, object]" = weakref.WeakKeyDictionary()
+
+
+def jitted_step(graph: Graph):
+    """The graph's step function, jitted once per graph (engines of one graph share its compiled buckets).
+
+    Signature: (params, caches, batch) -> outputs; the caches argument is donated so updates happen in place.
+    """
+    if graph not in _JITTED:
+        lowered = lower(graph)
+        _JITTED[graph] = jax.jit(lambda params, caches, batch: lowered(params, {**caches, **batch}),
+                                 donate_argnums=(1,))
+    return _JITTED[graph]
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _reset_slot(caches, slot):
+    """Zero one sequence slot of every GDN state cache (a new sequence starts from empty state)."""
+    return {name: (arr.at[slot].set(0) if name.endswith("_state") else arr) for name, arr in caches.items()}
+
+
 def token_bucket(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
@@ -58,9 +81,8 @@ class Engine:
                       "S": cache.max_seqs}
         self.cache_names = list(graph.meta["caches"])
         self.caches = {name: self._zeros(name) for name in self.cache_names}
-        lowered = lower(graph)
-        self._step = jax.jit(lambda p, caches, batch: lowered(p, {**caches, **batch}), donate_argnums=(1,))
-        self._reset = jax.jit(self._reset_slot, donate_argnums=(0,))
+        self._step = jitted_step(graph)
+        self._reset = _reset_slot
         self.free_slots = list(range(cache.max_seqs))
         self.free_pages = list(range(self.sizes["P"]))
 
@@ -73,10 +95,6 @@ class Engine:
     def _zeros(self, name: str):
         type_ = self._input_type(name)
         return jnp.zeros(type_.bind(self.sizes), np_dtype(type_.dtype))
-
-    @staticmethod
-    def _reset_slot(caches, slot):
-        return {name: (arr.at[slot].set(0) if name.endswith("_state") else arr) for name, arr in caches.items()}
 
     # -- sequences -------------------------------------------------------------------------------------------------
 
