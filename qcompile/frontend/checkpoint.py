@@ -201,7 +201,8 @@ class Checkpoint:
             totals[info.dtype] = totals.get(info.dtype, 0) + info.nbytes
         return totals
 
-    def warn_unknown(self, stream=sys.stderr) -> None:
+    def warn_unknown(self, stream=None) -> None:
+        stream = sys.stderr if stream is None else stream  # looked up now: honour a redirected sys.stderr
         if self.unknown:
             shown = ", ".join(self.unknown[:3]) + (" ..." if len(self.unknown) > 3 else "")
             print(f"qcompile: warning: {len(self.unknown)} checkpoint tensors are not used by the model: {shown}",
@@ -210,11 +211,13 @@ class Checkpoint:
 
 def _validate(store: TensorStore, params: dict[str, TensorRef], config: ModelConfig) -> None:
     """Every tensor the config needs is present, with the right shape and a float dtype."""
+    # Name the file a missing tensor should be in: the single weights file, else the index (or directory).
+    weights = store.files[0].path if len(store.files) == 1 else store.source
     for canonical, ref in params.items():
         for source in ref.sources:
             if source not in store:
                 raise CheckpointError(
-                    f"{store.source}: tensor '{source}' is missing; config.json ({config.model_type}, "
+                    f"{weights}: tensor '{source}' is missing; config.json ({config.model_type}, "
                     f"{config.num_layers} layers) needs it for '{canonical}'"
                 )
             info = store.info(source)

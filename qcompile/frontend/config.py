@@ -96,25 +96,44 @@ def _int(cfg: dict, key: str, where: str, default: int | None = None) -> int:
     return value
 
 
-def _rope(text: dict) -> tuple[float, float]:
+def _float(cfg: dict, key: str, where: str, default: float) -> float:
+    value = cfg.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise CheckpointError(f"{where}: '{key}' must be a number, got {value!r}")
+    return float(value)
+
+
+def _object(cfg: dict, key: str, where: str) -> dict:
+    value = cfg.get(key) or {}
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{where}: '{key}' must be a JSON object, got {value!r}")
+    return value
+
+
+def _rope(text: dict, where: str) -> tuple[float, float]:
     """theta and partial rotary factor from rope_parameters, legacy top-level keys, or rope_scaling; default prf 0.25."""
-    params = dict(text.get("rope_parameters") or {})
-    theta = params.get("rope_theta", text.get("rope_theta", 10000.0))
-    prf = params.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25))
-    rope_type = params.get("rope_type", (text.get("rope_scaling") or {}).get("rope_type", "default"))
+    params = _object(text, "rope_parameters", where)
+    theta = _float(params if "rope_theta" in params else text, "rope_theta", where, 10000.0)
+    prf_from = params if "partial_rotary_factor" in params else text
+    prf = _float(prf_from, "partial_rotary_factor", where, 0.25)
+    rope_type = params.get("rope_type", _object(text, "rope_scaling", where).get("rope_type", "default"))
     if rope_type != "default":
-        raise CheckpointError(f"config.json: rope_type '{rope_type}' is not supported (only 'default')")
-    return float(theta), float(prf)
+        raise CheckpointError(f"{where}: rope_type {rope_type!r} is not supported (only 'default')")
+    return theta, prf
+
+
+def _is_index(value: Any) -> bool:
+    return type(value) is int and value >= 0
 
 
 def _layer_types(text: dict, num_layers: int, where: str) -> tuple[str, ...]:
     if "layer_types" in text and text["layer_types"] is not None:
-        types = tuple(text["layer_types"])
-        if len(types) != num_layers or any(t not in (LINEAR, FULL) for t in types):
+        types = text["layer_types"]
+        if not isinstance(types, list) or len(types) != num_layers or any(t not in (LINEAR, FULL) for t in types):
             raise CheckpointError(
-                f"{where}: layer_types must list {num_layers} entries of '{LINEAR}' / '{FULL}', got {list(types)}"
+                f"{where}: layer_types must list {num_layers} entries of '{LINEAR}' / '{FULL}', got {types!r}"
             )
-        return types
+        return tuple(types)
     interval = _int(text, "full_attention_interval", where, default=4)
     if interval == 0:
         raise CheckpointError(f"{where}: full_attention_interval must be positive")
@@ -124,6 +143,8 @@ def _layer_types(text: dict, num_layers: int, where: str) -> tuple[str, ...]:
 def parse_config(raw: dict, where: str = "config.json") -> ModelConfig:
     """Resolve a config.json dict (either family, wrapper or flat, legacy or transformers-5 keys)."""
     model_type = raw.get("model_type")
+    if not isinstance(model_type, str):  # not a name (absent, null, a list...): unsupported, and unhashable-safe
+        model_type = None if model_type is None else repr(model_type)
     if model_type in _WRAPPER_TYPES:
         text = raw.get("text_config")
         if not isinstance(text, dict):
@@ -144,7 +165,10 @@ def parse_config(raw: dict, where: str = "config.json") -> ModelConfig:
     layer_types = _layer_types(text, num_layers, where)
     if family == "qwen3_next":
         step = _int(text, "decoder_sparse_step", where, default=1)
-        mlp_only = set(text.get("mlp_only_layers") or [])
+        mlp_only = text.get("mlp_only_layers") or []
+        if not isinstance(mlp_only, list) or not all(_is_index(i) for i in mlp_only):
+            raise CheckpointError(f"{where}: 'mlp_only_layers' must be a list of layer indices, got {mlp_only!r}")
+        mlp_only = set(mlp_only)
         moe_layers = tuple(
             i not in mlp_only and num_experts > 0 and step > 0 and (i + 1) % step == 0 for i in range(num_layers)
         )
@@ -152,7 +176,7 @@ def parse_config(raw: dict, where: str = "config.json") -> ModelConfig:
     else:  # Qwen3.5-MoE: every layer is MoE and the router always renormalises (spec §1.2)
         moe_layers = (True,) * num_layers
         norm_topk = True
-    theta, prf = _rope(text)
+    theta, prf = _rope(text, where)
     cfg = ModelConfig(
         family=family,
         model_type=model_type,
@@ -177,7 +201,7 @@ def parse_config(raw: dict, where: str = "config.json") -> ModelConfig:
         intermediate_size=_int(text, "intermediate_size", where, default=0),
         moe_layers=moe_layers,
         norm_topk_prob=norm_topk,
-        rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
+        rms_norm_eps=_float(text, "rms_norm_eps", where, 1e-6),
         tie_word_embeddings=bool(text.get("tie_word_embeddings", raw.get("tie_word_embeddings", False))),
         attention_bias=bool(text.get("attention_bias", False)),
         dtype=_DTYPE_NAMES.get(str(dtype_name), "bf16" if dtype_name is None else str(dtype_name)),
@@ -216,8 +240,10 @@ def load_config(path: str | Path) -> ModelConfig:
         raw = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise CheckpointError(f"{path}: config.json not found; a checkpoint needs its config.json beside the weights")
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise CheckpointError(one_line(f"{path}: not valid JSON ({err})"))
+    except OSError as err:  # a directory, no permission, an I/O error
+        raise CheckpointError(one_line(f"{path}: cannot read config.json ({err.strerror or err})"))
+    except (ValueError, RecursionError) as err:  # bad UTF-8 or JSON, an over-long integer, absurd nesting
+        raise CheckpointError(one_line(f"{path}: not valid JSON ({type(err).__name__}: {err})"))
     if not isinstance(raw, dict):
         raise CheckpointError(f"{path}: expected a JSON object")
     return parse_config(raw, where=str(path))

@@ -98,7 +98,7 @@ def _gmm(op_, rows, w, group_sizes):
 @op("moe_combine")
 @attrs.frozen
 class MoeCombine:
-    """moe_combine(rows[T*k,H], order[T*k], weights[T,k]) -> [T,H] = Σ_slot weight · row, summed in f32."""
+    """moe_combine(rows[T*k,H], order[T*k], weights[T,k]) -> [T,H] = Σ_slot weight · row (products in the rows' dtype, sum in f32)."""
 
 
 @type_rule(MoeCombine)
@@ -111,5 +111,5 @@ def _combine_type(op_, rows, order, weights):
 def _combine(op_, rows, order, weights):
     tokens, k = weights.shape
     unsorted = jnp.zeros_like(rows).at[order].set(rows).reshape(tokens, k, rows.shape[1])
-    out = jnp.einsum("tkh,tk->th", unsorted.astype(jnp.float32), weights.astype(jnp.float32), precision=HIGHEST)
-    return out.astype(rows.dtype)
+    weighted = unsorted * weights.astype(rows.dtype)[:, :, None]  # rounded to the model dtype, as HF does
+    return jnp.sum(weighted.astype(jnp.float32), axis=1).astype(rows.dtype)
