@@ -222,7 +222,7 @@ def _activation(op_, x):
 @op("cast")
 @attrs.frozen
 class Cast:
-    """cast(x) to `dtype`."""
+    """cast(x) to `dtype` (round to nearest even for narrowing float casts)."""
 
     dtype: str
 
