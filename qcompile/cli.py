@@ -145,7 +145,7 @@ def run_cmd(checkpoint, prompt_ids, max_new_tokens, dtype, save_logits, as_json)
 @click.argument("directory", type=click.Path(path_type=Path))
 @click.option("--family", type=click.Choice(["qwen3_5_moe", "qwen3_next"]), default="qwen3_5_moe", show_default=True)
 @click.option("--preset", type=click.Choice(["tiny", "bench"]), default="tiny", show_default=True,
-              help="tiny: ~0.8M parameters; bench: ~510M parameters in the Qwen3.5 3:1 pattern (docs/bench_preset.md).")
+              help="tiny: ~0.8M parameters; bench: 514M parameters in the Qwen3.5 3:1 pattern (docs/bench_preset.md).")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--dtype", type=click.Choice(["f32", "bf16"]), default="f32", show_default=True)
 @click.option("--force", is_flag=True, help="Overwrite an existing checkpoint in DIRECTORY.")

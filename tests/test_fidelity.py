@@ -131,3 +131,13 @@ def test_variant_structure_is_what_the_config_says(hf_checkpoint, qc_model):
     stacked = qc_model(hf_checkpoint("qwen3_next", "next-no-renorm-stacked", **VARIANTS["next-no-renorm-stacked"][1]))
     assert stacked.checkpoint.params["layers.0.mlp.experts.gate_proj"].kind == "rows"
     assert not stacked.checkpoint.config.norm_topk_prob
+
+
+def test_chunked_prefill_under_a_token_budget_gives_the_same_result(hf_checkpoint, qc_model):
+    model = qc_model(hf_checkpoint("qwen3_5_moe"))
+    prompts = [PROMPT[:30], PROMPT[5:12], PROMPT[2:25]]
+    whole = model.engine(CacheConfig(max_seqs=4, max_context=64)).generate(prompts, 3, prompt_logits=True)
+    small = model.engine(CacheConfig(max_seqs=4, max_context=64, max_step_tokens=8)).generate(prompts, 3, prompt_logits=True)
+    assert small["tokens"] == whole["tokens"]
+    for a, b in zip(small["prompt_logits"], whole["prompt_logits"]):
+        assert_close(a, b, "budgeted prefill", rel=1e-5)

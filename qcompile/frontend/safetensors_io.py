@@ -247,6 +247,8 @@ class SafetensorsFile:
                 self._where,
                 f"header is not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})",
             ) from exc
+        except (ValueError, RecursionError) as exc:  # nesting too deep, integers past Python's digit limit
+            raise _fail(self._where, f"header is not valid JSON ({type(exc).__name__}: {exc})") from exc
         if not isinstance(header, dict):
             raise _fail(
                 self._where, f"header is not a JSON object (got {type(header).__name__})"
@@ -543,6 +545,8 @@ def load_index(index_path: str | os.PathLike[str]) -> dict[str, str]:
         raise _fail(
             where, f"index is not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})"
         ) from exc
+    except (ValueError, RecursionError) as exc:  # nesting too deep, integers past Python's digit limit
+        raise _fail(where, f"index is not valid JSON ({type(exc).__name__}: {exc})") from exc
     if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict):
         raise _fail(where, 'index has no "weight_map" object mapping tensor names to shard files')
     weight_map = index["weight_map"]

@@ -88,6 +88,7 @@ class _Importer:
             logits = b.add(Cast("f32"), logits)
         b.output("logits", logits)
         meta = {"name": cfg.family, "family": cfg.family, "dtype": self.dt, "page_size": self.opts.page_size,
+                "vocab_size": cfg.vocab_size,
                 "caches": cache_names(cfg)}
         return b.build(meta)
 

@@ -1,28 +1,37 @@
 """The pass table and the `--passes` SPEC syntax: `all`, `none`, `a,b`, `all,-a` (left to right, last mention wins).
 
-The table is the only place the default pipeline order is written. It is empty until the optimization passes land;
-`all` then selects nothing and every command says so rather than pretending to optimise.
+PASSES is the only place the default pipeline order is written: sharding first, then collective rewrites, then
+fusions, then dtype changes, then cache layout (design.md §4). It is empty until the optimization passes land; `all`
+then selects nothing and every command says so rather than pretending to optimise. Tests exercise the machinery with
+passes of their own through the `table` arguments.
 """
 
 from __future__ import annotations
 
 from qcompile.errors import UsageError
+from qcompile.passes.base import Pass
 
-PASSES: dict[str, object] = {}
+PASSES: dict[str, Pass] = {}
 
 
-def parse_spec(spec: str) -> list[str]:
-    """Selected pass names in pipeline order."""
-    selected: dict[str, bool] = {name: False for name in PASSES}
+def parse_spec(spec: str, table: dict[str, Pass] | None = None) -> list[Pass]:
+    """Selected passes, in pipeline (table) order."""
+    table = PASSES if table is None else table
+    selected = {name: False for name in table}
     for raw in (part.strip() for part in spec.split(",")):
         if not raw:
             continue
         if raw in ("all", "none"):
-            selected = {name: raw == "all" for name in PASSES}
+            selected = {name: raw == "all" and table[name].in_all for name in table}
             continue
         name, on = (raw[1:], False) if raw.startswith("-") else (raw.lstrip("+"), True)
-        if name not in PASSES:
-            valid = ", ".join(PASSES) or "(no passes are registered yet)"
+        if name not in table:
+            valid = ", ".join(table) or "(no passes are registered yet)"
             raise UsageError(f"unknown pass {name!r} in --passes {spec!r}; valid names: {valid}")
         selected[name] = on
-    return [name for name, on in selected.items() if on]
+    return [table[name] for name, on in selected.items() if on]
+
+
+def spec_of(passes: list[Pass]) -> str:
+    """The canonical SPEC text that selects exactly these passes."""
+    return ",".join(p.name for p in passes) or "none"

@@ -1,6 +1,8 @@
-"""Engine: runs a step graph over paged caches — sequence slots, page allocation, shape buckets, greedy decoding.
+"""Engine: runs a step program over paged caches — sequence slots, page allocation, shape buckets, greedy decoding.
 
-Each `step` packs the scheduled sequences' new tokens into one ragged batch (prefill chunks and decode tokens mixed
+A step program is anything with `page_size`, `cache_types` (cache name → TensorType with symbolic dims),
+`token_bucket(n)` and `__call__(params, caches, batch) -> outputs`: `GraphProgram` jits a step graph here; the
+artifact loader provides one backed by exported executables. Each `step` packs the scheduled sequences' new tokens into one ragged batch (prefill chunks and decode tokens mixed
 freely), pads it to a power-of-two token bucket, and calls the jitted step function with the caches donated so they
 are updated in place. A sequence owns one GDN state slot (zeroed when it is admitted) and KV pages allocated as it
 grows. The scheduler proper (continuous batching policies) is a later layer on top of `step`.
@@ -30,6 +32,7 @@ class CacheConfig:
     max_seqs: int = 4  # B: sequence slots per step
     max_context: int = 512  # longest sequence (prompt + generated) in tokens
     num_pages: int | None = None  # P: KV pages in the pool (default: enough for max_seqs full sequences)
+    max_step_tokens: int = 256  # longer prompts are prefilled in chunks of at most this many tokens per step
 
     def pages_per_seq(self, page_size: int) -> int:
         return math.ceil(self.max_context / page_size)
@@ -45,19 +48,33 @@ class Sequence:
     length: int = 0  # tokens already in the cache
 
 
-_JITTED: "weakref.WeakKeyDictionary[Graph, object]" = weakref.WeakKeyDictionary()
+class GraphProgram:
+    """A step graph lowered with the reference rules and jitted (caches donated so updates happen in place).
 
-
-def jitted_step(graph: Graph):
-    """The graph's step function, jitted once per graph (engines of one graph share its compiled buckets).
-
-    Signature: (params, caches, batch) -> outputs; the caches argument is donated so updates happen in place.
+    Programs are cached per graph, so every engine of one graph shares its compiled shape buckets.
     """
-    if graph not in _JITTED:
+
+    _cache: "weakref.WeakKeyDictionary[Graph, GraphProgram]" = weakref.WeakKeyDictionary()
+
+    def __init__(self, graph: Graph):
+        self.graph = graph
+        self.page_size = int(graph.meta["page_size"])
+        self.cache_types = {node.op.name: node.op.type for node in graph.find(Input) if node.op.name in graph.meta["caches"]}
         lowered = lower(graph)
-        _JITTED[graph] = jax.jit(lambda params, caches, batch: lowered(params, {**caches, **batch}),
-                                 donate_argnums=(1,))
-    return _JITTED[graph]
+        self._jitted = jax.jit(lambda params, caches, batch: lowered(params, {**caches, **batch}), donate_argnums=(1,))
+
+    @classmethod
+    def of(cls, graph: Graph) -> "GraphProgram":
+        if graph not in cls._cache:
+            cls._cache[graph] = cls(graph)
+        return cls._cache[graph]
+
+    @staticmethod
+    def token_bucket(n: int) -> int:
+        return 1 << max(0, (n - 1).bit_length())
+
+    def __call__(self, params, caches, batch):
+        return self._jitted(params, caches, batch)
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
@@ -66,35 +83,22 @@ def _reset_slot(caches, slot):
     return {name: (arr.at[slot].set(0) if name.endswith("_state") else arr) for name, arr in caches.items()}
 
 
-def token_bucket(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 class Engine:
-    def __init__(self, graph: Graph, params: dict, cache: CacheConfig = CacheConfig()):
-        self.graph = graph
+    def __init__(self, program, params: dict, cache: CacheConfig = CacheConfig()):
+        if isinstance(program, Graph):
+            program = GraphProgram.of(program)
+        self.program = program
         self.params = params
         self.cache_cfg = cache
-        self.page_size = int(graph.meta["page_size"])
+        self.page_size = int(program.page_size)
         self.pages_per_seq = cache.pages_per_seq(self.page_size)
         self.sizes = {"B": cache.max_seqs, "M": self.pages_per_seq, "P": cache.pool_pages(self.page_size),
                       "S": cache.max_seqs}
-        self.cache_names = list(graph.meta["caches"])
-        self.caches = {name: self._zeros(name) for name in self.cache_names}
-        self._step = jitted_step(graph)
+        self.cache_names = list(program.cache_types)
+        self.caches = {name: jnp.zeros(t.bind(self.sizes), np_dtype(t.dtype)) for name, t in program.cache_types.items()}
         self._reset = _reset_slot
         self.free_slots = list(range(cache.max_seqs))
         self.free_pages = list(range(self.sizes["P"]))
-
-    def _input_type(self, name: str):
-        for node in self.graph.find(Input):
-            if node.op.name == name:
-                return node.op.type
-        raise KeyError(name)
-
-    def _zeros(self, name: str):
-        type_ = self._input_type(name)
-        return jnp.zeros(type_.bind(self.sizes), np_dtype(type_.dtype))
 
     # -- sequences -------------------------------------------------------------------------------------------------
 
@@ -127,10 +131,10 @@ class Engine:
         if len(work) > self.cache_cfg.max_seqs:
             raise UsageError(f"{len(work)} sequences in one step; at most {self.cache_cfg.max_seqs}")
         total = sum(len(tokens) for _, tokens in work)
-        num_tokens = token_bucket(max(total, 1))
+        num_tokens = self.program.token_bucket(max(total, 1))
         rows = num_tokens if all_logits else self.cache_cfg.max_seqs
         batch = self._pack(work, num_tokens, rows, all_logits)
-        outputs = self._step(self.params, self.caches, batch)
+        outputs = self.program(self.params, self.caches, batch)
         self.caches = {name: outputs[name] for name in self.cache_names}
         logits = np.asarray(outputs["logits"])
         result, start = [], 0
@@ -168,14 +172,34 @@ class Engine:
         return {"token_ids": token_ids, "positions": positions, "query_start": query_start,
                 "page_table": page_table, "state_slots": state_slots, "logits_indices": logits_indices}
 
+    def prefill(self, work: list[tuple[Sequence, list[int]]], all_logits: bool = False) -> list[np.ndarray]:
+        """Feed whole prompts, at most `max_step_tokens` tokens per step (chunked prefill); same results as `step`."""
+        budget = self.cache_cfg.max_step_tokens
+        pending = [list(tokens) for _, tokens in work]
+        pieces: list[list[np.ndarray]] = [[] for _ in work]
+        while any(pending):
+            batch, owners, left = [], [], budget
+            for index, ((seq, _), rest) in enumerate(zip(work, pending)):
+                if rest and left > 0:
+                    take = rest[:left]
+                    del rest[:len(take)]
+                    batch.append((seq, take))
+                    owners.append(index)
+                    left -= len(take)
+            for index, out in zip(owners, self.step(batch, all_logits=all_logits)):
+                pieces[index].append(out)
+        if all_logits:
+            return [np.concatenate(p) for p in pieces]
+        return [p[-1] for p in pieces]
+
     # -- generation ------------------------------------------------------------------------------------------------
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, prompt_logits: bool = False,
                  progress=None) -> dict:
-        """Greedy decoding of several prompts together: one prefill step, then one decode step per token."""
+        """Greedy decoding of several prompts together: chunked prefill, then one decode step per token."""
         seqs = [self.add_sequence() for _ in prompts]
         try:
-            first = self.step(list(zip(seqs, prompts)), all_logits=prompt_logits)
+            first = self.prefill(list(zip(seqs, prompts)), all_logits=prompt_logits)
             last = [x[-1] for x in first] if prompt_logits else first
             tokens = [[int(np.argmax(x))] for x in last]
             step_logits = [[x] for x in last]

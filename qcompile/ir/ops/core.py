@@ -143,6 +143,38 @@ def _slice(op_, x):
     return jax.lax.slice_in_dim(x, op_.start, op_.stop, axis=op_.axis % x.ndim)
 
 
+@op("concat")
+@attrs.frozen
+class Concat:
+    """concat(x0, x1, ...) along `axis`; every other dim and the dtype must agree."""
+
+    axis: int
+
+
+@type_rule(Concat)
+def _concat_type(op_, *xs):
+    expect(len(xs) >= 1, "concat needs operands")
+    first = xs[0]
+    axis = op_.axis % first.rank
+    for x in xs[1:]:
+        expect(x.dtype == first.dtype and x.rank == first.rank, f"concat operands differ: {first} vs {x}")
+        expect(all(a == b for i, (a, b) in enumerate(zip(first.shape, x.shape)) if i != axis),
+               f"concat operands differ off axis {axis}: {first} vs {x}")
+    total = 0
+    for x in xs:
+        dim = x.shape[axis]
+        expect(isinstance(dim, int), f"concat along a symbolic dim {dim!r} is not supported")
+        total += dim
+    shape = list(first.shape)
+    shape[axis] = total
+    return first.with_shape(shape)
+
+
+@lowering(Concat)
+def _concat(op_, *xs):
+    return jnp.concatenate(xs, axis=op_.axis)
+
+
 @op("take_rows")
 @attrs.frozen
 class TakeRows:

@@ -1,0 +1,66 @@
+"""What a pass is: a name, a summary, a tolerance class, its requirements, and a pure function.
+
+A pass function takes the graph and a frozen PassContext and returns a PassResult: the new graph (or the same object
+when nothing changed), whether it changed, statistics (what it matched and rewrote), and — when it does not apply —
+the reason it was skipped. It never mutates its input; the manager audits that.
+
+Tolerance classes (design.md §5), relative to the largest magnitude of the reference output:
+  exact          bitwise equal (pure relayout, operand reordering)
+  reassociating  f32: 1e-5, bf16: 1e-2 (fusions that change summation order)
+  lossy          a bound declared by the pass itself, plus a drift check over decode steps
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import attrs
+
+from qcompile.ir.graph import Graph
+
+TOLERANCE_CLASSES = ("exact", "reassociating", "lossy")
+REASSOCIATING = {"f32": 1e-5, "bf16": 1e-2, "f16": 1e-3}
+
+
+@attrs.frozen
+class PassContext:
+    """Everything a pass may look at besides the graph. Frozen: passes get configuration, not global state."""
+
+    target: str = "cpu"
+    num_devices: int = 1
+    options: tuple[tuple[str, object], ...] = ()
+
+    def option(self, key: str, default=None):
+        return dict(self.options).get(key, default)
+
+
+@attrs.frozen
+class PassResult:
+    graph: Graph
+    changed: bool
+    stats: dict = attrs.field(factory=dict)
+    skipped: str | None = None  # reason, when the pass does not apply
+
+
+@attrs.frozen
+class Pass:
+    name: str  # kebab-case, unique
+    summary: str  # one line
+    run: Callable[[Graph, PassContext], PassResult]
+    tolerance: str = attrs.field(default="exact", validator=attrs.validators.in_(TOLERANCE_CLASSES))
+    requires: tuple[str, ...] = ()  # human-readable preconditions, e.g. ("MoE layers", "2+ devices")
+    in_all: bool = True  # selected by `all`
+    lossy_bound: float | None = None  # relative bound, lossy passes only
+    drift_steps: int = 0  # decode steps of the drift check, lossy passes only
+
+    def __attrs_post_init__(self):
+        if self.tolerance == "lossy" and self.lossy_bound is None:
+            raise ValueError(f"lossy pass {self.name} must declare lossy_bound")
+
+    def bound(self, dtype: str) -> float:
+        """Allowed relative error for this pass's class in a graph of `dtype`."""
+        if self.tolerance == "exact":
+            return 0.0
+        if self.tolerance == "reassociating":
+            return REASSOCIATING[dtype]
+        return float(self.lossy_bound)

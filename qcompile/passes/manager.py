@@ -1,0 +1,214 @@
+"""The pass manager: runs a pipeline of passes and makes each one prove itself.
+
+For every pass it: runs the pure pass function; audits the "changed" flag against a structural hash of the graph
+(and that the input graph was not mutated); runs the verifier after every change; checks numerics against the graph
+before the pass (`--verify each`) with the pass's tolerance class; times the pass and its check; and records
+applied / skipped (with the reason) / failed. At the end (`each` or `final`) it compares the optimized graph with
+the unoptimized one. A failure names the pass and the passes that ran before it; a numerics failure also writes a
+reproducer directory that `qcompile reproduce DIR` re-runs.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from datetime import datetime, timezone
+from pathlib import Path
+
+import attrs
+
+from qcompile.errors import NumericsError, QCompileError, VerificationError
+from qcompile.ir.graph import Graph
+from qcompile.ir.printer import print_graph
+from qcompile.ir.verifier import verify
+from qcompile.passes.base import Pass, PassContext, PassResult
+from qcompile.passes.equivalence import CheckResult, EquivalenceChecker, structural_hash
+
+VERIFY_MODES = ("each", "final", "none")
+
+
+class PassError(QCompileError):
+    """A pass raised or broke its contract; exit code 1 (an internal error of that pass)."""
+
+
+@attrs.frozen
+class PassRecord:
+    name: str
+    status: str  # applied | skipped | failed
+    changed: bool
+    stats: dict
+    reason: str = ""
+    seconds: float = 0.0
+    check: dict | None = None  # CheckResult.to_json() when a check ran
+    check_seconds: float = 0.0
+
+    def line(self) -> str:
+        """One human-readable line: status, what changed, max error, time."""
+        if self.status == "skipped":
+            return f"  {self.name:<26} skipped   {self.reason}"
+        what = ", ".join(f"{k}={v}" for k, v in self.stats.items()) or ("changed" if self.changed else "no change")
+        err = ""
+        if self.check is not None:
+            err = f"  max error {self.check['max_error']:.2e} (bound {self.check['bound']:.0e})"
+        status = "FAILED" if self.status == "failed" else "applied"
+        return f"  {self.name:<26} {status:<9} {what}{err}  {self.seconds + self.check_seconds:.2f}s"
+
+    def to_json(self) -> dict:
+        return attrs.asdict(self)
+
+
+@attrs.frozen
+class PipelineResult:
+    graph: Graph
+    records: tuple[PassRecord, ...]
+    final_check: CheckResult | None
+
+    def to_json(self) -> dict:
+        return {"passes": [r.to_json() for r in self.records],
+                "final_check": None if self.final_check is None else self.final_check.to_json()}
+
+
+@attrs.define
+class Instruments:
+    """Debugging hooks: --print-ir-after PASS|all, --print-ir-after-change, --dump-dir DIR."""
+
+    print_after: tuple[str, ...] = ()  # pass names, or ("all",)
+    print_after_change: bool = False
+    dump_dir: Path | None = None
+    emit: Callable[[str], None] = print
+
+    def start(self, graph: Graph) -> None:
+        if self.dump_dir is not None:
+            self.dump_dir.mkdir(parents=True, exist_ok=True)
+            (self.dump_dir / "000_input.qir").write_text(print_graph(graph))
+
+    def after(self, index: int, pass_: Pass, graph: Graph, changed: bool) -> None:
+        text = None
+        wanted = "all" in self.print_after or pass_.name in self.print_after
+        if wanted or (self.print_after_change and changed):
+            text = print_graph(graph)
+            self.emit(f"// ----- IR after {pass_.name}{'' if changed else ' (unchanged)'} -----\n{text}")
+        if self.dump_dir is not None:
+            (self.dump_dir / f"{index:03d}_{pass_.name}.qir").write_text(text or print_graph(graph))
+
+
+@attrs.define
+class Reproducer:
+    """Where and with what to write a reproducer when a numerics check fails."""
+
+    root: Path
+    checkpoint: str | None = None
+    settings: dict = attrs.Factory(dict)  # dtype, page size, verify-layers: what `reproduce` needs to rebuild
+
+    def write(self, *, failing: str, before: list[str], input_graph: Graph, reference: Graph,
+              pipeline: list[str], result: CheckResult, seed: int) -> Path:
+        stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
+        path = self.root / f"{failing}-{stamp}"
+        suffix = 1
+        while path.exists():
+            suffix += 1
+            path = self.root / f"{failing}-{stamp}-{suffix}"
+        path.mkdir(parents=True)
+        (path / "input.qir").write_text(print_graph(input_graph))
+        (path / "reference.qir").write_text(print_graph(reference))
+        (path / "pipeline.txt").write_text(",".join(pipeline) + "\n")
+        info = {"failing_pass": failing, "passes_before": before, "pipeline": pipeline, "seed": seed,
+                "bound": result.bound, "max_error": result.max_error, "errors": result.errors,
+                "reason": result.reason, "checkpoint": self.checkpoint, **self.settings}
+        (path / "repro.json").write_text(json.dumps(info, indent=2) + "\n")
+        return path
+
+
+def _run_one(pass_: Pass, graph: Graph, ctx: PassContext, before: list[str]) -> tuple[PassResult, float]:
+    trail = f" (after: {', '.join(before)})" if before else " (first pass)"
+    input_hash = structural_hash(graph)
+    started = time.perf_counter()
+    try:
+        result = pass_.run(graph, ctx)
+    except QCompileError:
+        raise
+    except Exception as err:  # noqa: BLE001 - named and re-raised as this pass's failure
+        raise PassError(f"pass {pass_.name} raised {type(err).__name__}: {err}{trail}") from err
+    seconds = time.perf_counter() - started
+    if not isinstance(result, PassResult):
+        raise PassError(f"pass {pass_.name} returned {type(result).__name__}, not a PassResult{trail}")
+    if structural_hash(graph) != input_hash:
+        raise VerificationError(f"pass {pass_.name} mutated its input graph; passes must return a new graph{trail}")
+    output_hash = structural_hash(result.graph)
+    if result.changed != (output_hash != input_hash):
+        claim = "changed" if result.changed else "no change"
+        raise VerificationError(f"pass {pass_.name} reported {claim} but the graph is "
+                                f"{'identical' if result.changed else 'different'}{trail}")
+    return result, seconds
+
+
+def run_pipeline(graph: Graph, passes: list[Pass], ctx: PassContext = PassContext(), *, verify_mode: str = "each",
+                 checker: EquivalenceChecker | None = None, instruments: Instruments | None = None,
+                 reproducer: Reproducer | None = None,
+                 on_record: Callable[[PassRecord], None] | None = None) -> PipelineResult:
+    """Run `passes` in order on `graph` (the unoptimized reference); see the module docstring."""
+    if verify_mode not in VERIFY_MODES:
+        raise ValueError(f"verify_mode must be one of {VERIFY_MODES}")
+    if verify_mode != "none" and checker is None:
+        raise ValueError("numerics checks need an EquivalenceChecker")
+    instruments = instruments or Instruments()
+    instruments.start(graph)
+    reference, current = graph, graph
+    records: list[PassRecord] = []
+    ran: list[str] = []
+    budget = 0.0  # final-check bound: the applied passes' bounds add up (first-order error accumulation)
+    for index, pass_ in enumerate(passes, start=1):
+        result, seconds = _run_one(pass_, current, ctx, ran)
+        trail = f" (after: {', '.join(ran)})" if ran else " (first pass)"
+        check, check_seconds = None, 0.0
+        if result.skipped is not None:
+            record = PassRecord(pass_.name, "skipped", False, dict(result.stats), result.skipped, seconds)
+        else:
+            if result.changed:
+                try:
+                    verify(result.graph)
+                except VerificationError as err:
+                    raise VerificationError(f"IR verification failed after pass {pass_.name}{trail}: {err}") from None
+                if verify_mode == "each":
+                    started = time.perf_counter()
+                    check = checker.check(result.graph, pass_.bound(graph.meta["dtype"]), against=current)
+                    if check.ok and pass_.drift_steps:
+                        drift = checker.drift(result.graph, pass_.drift_steps, against=current)
+                        check = attrs.evolve(check, drift=drift, ok=drift <= pass_.bound(graph.meta["dtype"]),
+                                             reason="" if drift <= pass_.bound(graph.meta["dtype"]) else
+                                             f"drift over {pass_.drift_steps} decode steps {drift:.3g} > bound")
+                    check_seconds = time.perf_counter() - started
+                budget += pass_.bound(graph.meta["dtype"])
+            record = PassRecord(pass_.name, "applied", result.changed, dict(result.stats), "", seconds,
+                                check.to_json() if check else None, check_seconds)
+            if check is not None and not check.ok:
+                record = attrs.evolve(record, status="failed", reason=check.reason)
+                if on_record:
+                    on_record(record)
+                where = ""
+                if reproducer is not None:
+                    path = reproducer.write(failing=pass_.name, before=list(ran), input_graph=current,
+                                            reference=current, pipeline=[pass_.name], result=check,
+                                            seed=checker.seed)
+                    where = f"; reproducer written to {path} (re-run: qcompile reproduce {path})"
+                raise NumericsError(f"numerics check failed after pass {pass_.name}{trail}: {check.reason}{where}")
+            ran.append(pass_.name)
+            current = result.graph
+        records.append(record)
+        if on_record:
+            on_record(record)
+        instruments.after(index, pass_, current, result.changed)
+    final = None
+    if verify_mode != "none" and current is not reference:
+        final = checker.check(current, budget, against=reference)
+        if not final.ok:
+            where = ""
+            if reproducer is not None:
+                path = reproducer.write(failing="final", before=list(ran), input_graph=reference, reference=reference,
+                                        pipeline=list(ran), result=final, seed=checker.seed)
+                where = f"; reproducer written to {path} (re-run: qcompile reproduce {path})"
+            raise NumericsError(f"numerics check of the optimized graph against the unoptimized one failed "
+                                f"(passes: {', '.join(ran)}): {final.reason}{where}")
+    return PipelineResult(current, tuple(records), final)
+

@@ -1,0 +1,479 @@
+"""Compiled artifacts: a directory that `qcompile run` serves from alone, with no checkpoint and no recompilation.
+
+What: `write_artifact` exports the step graph with `jax.export` once per shape bucket, writes the weights in the
+layout the (optimized) graph uses, and records everything needed to run and to audit the result in
+`manifest.json`. `load_artifact` verifies the directory and returns an `ArtifactModel` whose `engine()` is a normal
+`Engine` backed by the exported executables (`ExportedProgram`, a step program like `GraphProgram`).
+
+Why: compiling (import, passes, equivalence checks, tracing) is done once, on any machine, for a fixed target
+platform and fixed cache shapes; serving only deserializes StableHLO and lets XLA compile it for the device. The
+checkpoint may be deleted afterwards: the weights travel with the artifact.
+
+Layout of OUT/:
+
+    manifest.json                    written last, atomically; the artifact exists once this file does
+    weights.safetensors              every graph parameter under its graph name, in the graph's dtype and layout
+    graph.qir                        the step graph in IR text form (for humans and debugging; not needed to run)
+    exec/step_T{T}_R{R}.jaxexport    jax.export serialization of fn(params, caches, batch) for T tokens, R rows
+
+Shape buckets are fixed at compile time from the CacheConfig: B = max_seqs sequence slots, M = pages per sequence,
+P = pool pages, S = B state slots; T runs over the powers of two 1 .. max(max_step_tokens, max_seqs) (rounded up to
+a power of two: chunked prefill never packs more than max_step_tokens, a decode step packs one token per sequence).
+Each T is exported with R = B logit rows (last token of each sequence: decode and prefill) and R = T (every token's
+logits: `--save-logits` / prompt logits); when T = B the two coincide and are exported once.
+
+manifest.json keys: format_version, qcompile_version, jax_version, jaxlib_version, target (cpu | tpu | gpu),
+platform (the jax.export platform: cpu | tpu | cuda), mesh (null: single device), config (the model config),
+page_size, cache (max_seqs, max_context, num_pages, max_step_tokens and the bound sizes B/M/P/S), cache_types
+(name -> IR type text), buckets ([{tokens, rows, file}]), files ({relative path: {sha256, bytes}} for every file but
+the manifest), plus the caller's `extra` keys (the CLI adds pipeline, passes, equivalence).
+
+What `load_artifact` verifies, refusing with a one-line CheckpointError (exit 65) naming the file:
+  * manifest.json exists, is a JSON object, and its format_version is one this qcompile reads;
+  * the target matches the platform this process runs (`jax.default_backend()`);
+  * every listed file exists, has the recorded size (truncation) and the recorded sha256 (tampering; streamed in
+    chunks, never read whole); listed paths must stay inside the artifact;
+  * every bucket's executable deserializes with the installed jax (else: the exporting vs installed versions),
+    was exported for the manifest's platform, and takes exactly the shapes the manifest describes (token bucket,
+    logit rows, caches) and the weights in weights.safetensors (names, shapes, dtypes).
+
+GPU: `--target gpu` exports for platform `cuda` (lowering needs no GPU, so it works from this machine); running it
+needs a CUDA host with `pip install 'qcompile[gpu]'` (jax[cuda13] of the same jax minor version), where
+`jax.default_backend()` is `gpu`. ROCm is not wired up.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path, PurePosixPath
+
+import attrs
+import jax
+import jax.numpy as jnp
+import jaxlib
+import numpy as np
+from tqdm import tqdm
+
+import qcompile
+from qcompile.errors import CheckpointError, UsageError, one_line
+from qcompile.frontend.safetensors_io import SafetensorsFile, write_safetensors
+from qcompile.ir.graph import Graph
+from qcompile.ir.lowering import lower
+from qcompile.ir.ops.core import Input
+from qcompile.ir.printer import print_graph
+from qcompile.ir.types import TensorType, np_dtype, parse_type
+from qcompile.runtime.engine import BATCH_INPUTS, CacheConfig, Engine
+
+FORMAT_VERSION = 1
+READABLE_FORMAT_VERSIONS = (1,)
+MANIFEST = "manifest.json"
+WEIGHTS = "weights.safetensors"
+GRAPH_TEXT = "graph.qir"
+EXEC_DIR = "exec"
+#: Present while write_artifact is running; lets a rerun overwrite a directory an interrupted write left behind.
+WRITING_MARKER = ".qcompile-writing"
+#: --target name -> jax.export platform name.
+TARGETS = {"cpu": "cpu", "tpu": "tpu", "gpu": "cuda"}
+_CHUNK = 1 << 20
+
+
+# -- shapes --------------------------------------------------------------------------------------------------------
+
+
+def bucket_sizes(cache: CacheConfig, page_size: int) -> dict[str, int]:
+    """The bound symbolic dims of the caches (the same as Engine.sizes)."""
+    return {"B": cache.max_seqs, "M": cache.pages_per_seq(page_size), "P": cache.pool_pages(page_size),
+            "S": cache.max_seqs}
+
+
+def _pow2_ceil(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def bucket_shapes(cache: CacheConfig) -> list[tuple[int, int]]:
+    """(T tokens, R logit rows) of every exported bucket, in export order."""
+    largest = _pow2_ceil(max(cache.max_step_tokens, cache.max_seqs, 1))
+    shapes: list[tuple[int, int]] = []
+    t = 1
+    while t <= largest:
+        for rows in (cache.max_seqs, t):
+            if (t, rows) not in shapes:
+                shapes.append((t, rows))
+        t *= 2
+    return shapes
+
+
+def bucket_file(tokens: int, rows: int) -> str:
+    return f"{EXEC_DIR}/step_T{tokens}_R{rows}.jaxexport"
+
+
+def batch_specs(tokens: int, rows: int, sizes: dict[str, int]) -> dict:
+    """ShapeDtypeStructs of the batch inputs, laid out exactly as Engine._pack builds them."""
+    i32 = np.int32
+    shapes = {"token_ids": (tokens,), "positions": (tokens,), "query_start": (sizes["B"] + 1,),
+              "page_table": (sizes["B"], sizes["M"]), "state_slots": (sizes["B"],), "logits_indices": (rows,)}
+    return {name: jax.ShapeDtypeStruct(shapes[name], i32) for name in BATCH_INPUTS}
+
+
+def cache_specs(cache_types: dict[str, TensorType], sizes: dict[str, int]) -> dict:
+    return {name: jax.ShapeDtypeStruct(t.bind(sizes), np_dtype(t.dtype)) for name, t in cache_types.items()}
+
+
+def graph_cache_types(graph: Graph) -> dict[str, TensorType]:
+    caches = graph.meta["caches"]
+    return {node.op.name: node.op.type for node in graph.find(Input) if node.op.name in caches}
+
+
+def step_function(graph: Graph):
+    """fn(params, caches, batch) -> outputs: the same function GraphProgram jits."""
+    lowered = lower(graph)
+
+    def step(params, caches, batch):
+        return lowered(params, {**caches, **batch})
+
+    return step
+
+
+# -- files and hashes ----------------------------------------------------------------------------------------------
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _write_bytes_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def is_artifact(path) -> bool:
+    """A directory holding a manifest.json."""
+    p = Path(path)
+    return p.is_dir() and (p / MANIFEST).is_file()
+
+
+def _prepare_out_dir(out: Path) -> None:
+    """Make `out` ready to receive an artifact without ever clobbering a directory that is not one of ours."""
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"{out}: exists and is not a directory; choose another -o")
+    if out.is_dir():
+        entries = list(out.iterdir())
+        ours = (out / MANIFEST).is_file() or (out / WRITING_MARKER).exists()
+        if entries and not ours:
+            raise UsageError(f"{out}: directory is not empty and is not a qcompile artifact (no {MANIFEST}); "
+                             "refusing to overwrite it — choose another -o or empty it")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / WRITING_MARKER).write_text("qcompile is writing an artifact here\n")
+    # Invalidate the old artifact first (no manifest → nothing loads it), then remove what it listed.
+    old = out / MANIFEST
+    listed: list[str] = []
+    if old.is_file():
+        try:
+            listed = list(json.loads(old.read_text()).get("files", {}))
+        except (ValueError, AttributeError):
+            listed = []
+        old.unlink()
+    for rel in [*listed, WEIGHTS, GRAPH_TEXT]:
+        target = _inside(out, rel)
+        if target is not None and target.is_file():
+            target.unlink()
+    exec_dir = out / EXEC_DIR
+    if exec_dir.is_dir():
+        for stale in exec_dir.glob("*.jaxexport"):
+            stale.unlink()
+
+
+def _inside(root: Path, rel: str) -> Path | None:
+    """root/rel if rel is a plain relative path that stays inside root, else None."""
+    if not isinstance(rel, str) or not rel:
+        return None
+    parts = PurePosixPath(rel).parts
+    if PurePosixPath(rel).is_absolute() or any(p in ("..", "") for p in parts) or "\\" in rel:
+        return None
+    return root.joinpath(*parts)
+
+
+# -- writing -------------------------------------------------------------------------------------------------------
+
+
+def write_artifact(out_dir, graph: Graph, params: dict, *, config_json: dict, cache: CacheConfig,
+                   target: str = "cpu", extra: dict | None = None, progress: bool | None = None) -> dict:
+    """Export `graph` for every shape bucket of `cache`, write weights + manifest to `out_dir`; return the manifest."""
+    if target not in TARGETS:
+        raise UsageError(f"unknown target {target!r}; choose one of {', '.join(TARGETS)}")
+    platform = TARGETS[target]
+    out = Path(out_dir)
+    page_size = int(graph.meta["page_size"])
+    sizes = bucket_sizes(cache, page_size)
+    cache_types = graph_cache_types(graph)
+    shapes = bucket_shapes(cache)
+    reserved = {"format_version", "qcompile_version", "jax_version", "jaxlib_version", "target", "platform", "mesh",
+                "config", "page_size", "cache", "cache_types", "buckets", "files", "export_seconds"}
+    clash = sorted(reserved & set(extra or {}))
+    if clash:
+        raise ValueError(f"extra manifest keys clash with reserved ones: {clash}")
+
+    _prepare_out_dir(out)
+    (out / EXEC_DIR).mkdir(exist_ok=True)
+
+    param_specs = {name: jax.ShapeDtypeStruct(np.shape(value), value.dtype) for name, value in params.items()}
+    caches = cache_specs(cache_types, sizes)
+    jitted = jax.jit(step_function(graph))
+    show = sys.stderr.isatty() if progress is None else progress
+    buckets, started = [], time.perf_counter()
+    for tokens, rows in tqdm(shapes, desc=f"exporting for {platform}", unit="bucket", disable=not show,
+                             file=sys.stderr):
+        exported = jax.export.export(jitted, platforms=[platform])(param_specs, caches,
+                                                                    batch_specs(tokens, rows, sizes))
+        rel = bucket_file(tokens, rows)
+        _write_bytes_atomic(out / rel, bytes(exported.serialize()))
+        buckets.append({"tokens": tokens, "rows": rows, "file": rel})
+    export_seconds = time.perf_counter() - started
+
+    write_safetensors(out / WEIGHTS, {name: np.asarray(value) for name, value in params.items()},
+                      metadata={"format": "qcompile-artifact"})
+    (out / GRAPH_TEXT).write_text(print_graph(graph))
+
+    files = {}
+    for rel in [WEIGHTS, GRAPH_TEXT, *(b["file"] for b in buckets)]:
+        path = out / rel
+        files[rel] = {"sha256": sha256_file(path), "bytes": path.stat().st_size}
+    manifest = {
+        "format_version": FORMAT_VERSION,
+        "qcompile_version": qcompile.__version__,
+        "jax_version": jax.__version__,
+        "jaxlib_version": jaxlib.__version__,
+        "target": target,
+        "platform": platform,
+        "mesh": None,
+        "config": config_json,
+        "page_size": page_size,
+        "cache": {"max_seqs": cache.max_seqs, "max_context": cache.max_context, "num_pages": cache.num_pages,
+                  "max_step_tokens": cache.max_step_tokens, "sizes": sizes},
+        "cache_types": {name: str(t) for name, t in cache_types.items()},
+        "buckets": buckets,
+        "files": files,
+        "export_seconds": round(export_seconds, 3),
+        **(extra or {}),
+    }
+    text = json.dumps(manifest, indent=2) + "\n"
+    _write_bytes_atomic(out / MANIFEST, text.encode())
+    (out / WRITING_MARKER).unlink(missing_ok=True)
+    return json.loads(text)  # exactly what load_artifact will see (tuples become lists)
+
+
+# -- loading -------------------------------------------------------------------------------------------------------
+
+
+def _refuse(where, problem: str) -> CheckpointError:
+    return CheckpointError(one_line(f"{where}: {problem}"))
+
+
+def _version_line(manifest: dict) -> str:
+    return (f"it was exported with jax {manifest.get('jax_version', '?')} / jaxlib {manifest.get('jaxlib_version', '?')}, "
+            f"this machine has jax {jax.__version__} / jaxlib {jaxlib.__version__}")
+
+
+def _read_manifest(root: Path) -> dict:
+    path = root / MANIFEST
+    if not root.is_dir():
+        raise _refuse(root, "not an artifact directory")
+    if not path.is_file():
+        if (root / WRITING_MARKER).exists():
+            raise _refuse(path, "missing: the artifact write was interrupted; compile it again")
+        raise _refuse(path, "missing: not a qcompile artifact")
+    try:
+        manifest = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as err:
+        raise _refuse(path, f"not valid JSON ({err})") from None
+    if not isinstance(manifest, dict):
+        raise _refuse(path, "not a JSON object")
+    version = manifest.get("format_version")
+    if version not in READABLE_FORMAT_VERSIONS:
+        readable = ", ".join(str(v) for v in READABLE_FORMAT_VERSIONS)
+        raise _refuse(path, f"format_version {version!r} is not supported; qcompile {qcompile.__version__} reads "
+                            f"format_version {readable} — recompile the artifact with this qcompile")
+    return manifest
+
+
+def _need(manifest: dict, path: Path, key: str, kind):
+    value = manifest.get(key)
+    if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
+        raise _refuse(path, f"'{key}' is missing or malformed")
+    return value
+
+
+def _check_files(root: Path, files: dict, verify_hashes: bool) -> None:
+    manifest_path = root / MANIFEST
+    for rel, entry in files.items():
+        path = _inside(root, rel)
+        if path is None or not isinstance(entry, dict):
+            raise _refuse(manifest_path, f"bad file entry {rel!r}")
+        if not path.is_file():
+            raise _refuse(path, "missing from the artifact")
+        size = path.stat().st_size
+        if size != entry.get("bytes"):
+            how = "truncated" if isinstance(entry.get("bytes"), int) and size < entry["bytes"] else "wrong size"
+            raise _refuse(path, f"{how}: {size} bytes, the manifest says {entry.get('bytes')}")
+        if verify_hashes and sha256_file(path) != entry.get("sha256"):
+            raise _refuse(path, "sha256 does not match the manifest: the file was modified or corrupted")
+
+
+def _deserialize(path: Path, manifest: dict):
+    try:
+        exported = jax.export.deserialize(bytearray(path.read_bytes()))
+    except Exception as err:  # noqa: BLE001 - any failure here means this jax cannot read the file
+        raise _refuse(path, f"cannot deserialize the exported executable ({type(err).__name__}: {err}); "
+                            f"{_version_line(manifest)} — recompile the artifact with this jax") from None
+    version = exported.calling_convention_version
+    low = jax.export.minimum_supported_calling_convention_version
+    high = jax.export.maximum_supported_calling_convention_version
+    if not low <= version <= high:
+        raise _refuse(path, f"calling convention version {version} is outside the {low}..{high} this jax supports; "
+                            f"{_version_line(manifest)} — recompile the artifact with this jax")
+    return exported
+
+
+def _shape_text(aval) -> str:
+    return f"{aval.dtype}{list(aval.shape)}"
+
+
+def _check_exported(path: Path, exported, manifest: dict, expected) -> None:
+    if tuple(exported.platforms) != (manifest["platform"],):
+        raise _refuse(path, f"exported for {', '.join(exported.platforms)} but the manifest says "
+                            f"{manifest['platform']}: mismatched artifact")
+    try:
+        (args, kwargs) = jax.tree_util.tree_unflatten(exported.in_tree, exported.in_avals)
+    except Exception as err:  # noqa: BLE001
+        raise _refuse(path, f"unexpected calling structure ({err})") from None
+    got = jax.tree_util.tree_structure((args, kwargs))
+    want = jax.tree_util.tree_structure((expected, {}))
+    if got != want:
+        raise _refuse(path, "its inputs (weights, caches or batch fields) do not match the manifest and "
+                            "weights.safetensors: mismatched artifact")
+    for (keypath, aval), spec in zip(jax.tree_util.tree_leaves_with_path(args), jax.tree_util.tree_leaves(expected)):
+        if tuple(aval.shape) != tuple(spec.shape) or np.dtype(aval.dtype) != np.dtype(spec.dtype):
+            name = jax.tree_util.keystr(keypath)
+            raise _refuse(path, f"input {name} is {_shape_text(aval)} but the manifest/weights give "
+                                f"{_shape_text(spec)}: mismatched artifact")
+
+
+class ExportedProgram:
+    """A step program backed by deserialized jax.export executables, one per (tokens, rows) bucket.
+
+    Each executable is wrapped in a jit that donates the caches (as GraphProgram does) and compiled by XLA on its
+    first call.
+    """
+
+    def __init__(self, page_size: int, cache_types: dict[str, TensorType], exported: dict[tuple[int, int], object]):
+        self.page_size = page_size
+        self.cache_types = cache_types
+        self._exported = exported
+        self._tokens = sorted({t for t, _ in exported})
+        self._callables: dict[tuple[int, int], object] = {}
+
+    @property
+    def buckets(self) -> list[tuple[int, int]]:
+        return sorted(self._exported)
+
+    def token_bucket(self, n: int) -> int:
+        for tokens in self._tokens:
+            if tokens >= n:
+                return tokens
+        raise UsageError(f"a step of {n} tokens exceeds the largest exported bucket ({self._tokens[-1]} tokens); "
+                         "recompile the artifact with a larger --max-step-tokens")
+
+    def __call__(self, params, caches, batch):
+        key = (int(np.shape(batch["token_ids"])[0]), int(np.shape(batch["logits_indices"])[0]))
+        fn = self._callables.get(key)
+        if fn is None:
+            if key not in self._exported:
+                have = ", ".join(f"T{t}/R{r}" for t, r in self.buckets)
+                raise UsageError(f"no exported executable for {key[0]} tokens and {key[1]} logit rows "
+                                 f"(the artifact has {have})")
+            fn = self._callables[key] = jax.jit(self._exported[key].call, donate_argnums=(1,))
+        return fn(params, caches, batch)
+
+
+@attrs.define
+class ArtifactModel:
+    path: Path
+    manifest: dict
+    params: dict
+    program: ExportedProgram
+
+    @property
+    def config_json(self) -> dict:
+        return self.manifest["config"]
+
+    @property
+    def cache_config(self) -> CacheConfig:
+        c = self.manifest["cache"]
+        return CacheConfig(max_seqs=c["max_seqs"], max_context=c["max_context"], num_pages=c["num_pages"],
+                           max_step_tokens=c["max_step_tokens"])
+
+    def engine(self) -> Engine:
+        return Engine(self.program, self.params, self.cache_config)
+
+
+def load_artifact(path, verify_hashes: bool = True) -> ArtifactModel:
+    """Verify an artifact directory (see the module docstring) and load its weights and executables."""
+    root = Path(path)
+    manifest = _read_manifest(root)
+    manifest_path = root / MANIFEST
+    target = _need(manifest, manifest_path, "target", str)
+    if target not in TARGETS or manifest.get("platform") != TARGETS[target]:
+        raise _refuse(manifest_path, f"unknown target {target!r} / platform {manifest.get('platform')!r}")
+    here = jax.default_backend()
+    if target != here:
+        raise _refuse(root, f"artifact was compiled for {target}; this machine runs {here} — run it on a {target} "
+                            f"host (or compile again with --target {here})")
+    files = _need(manifest, manifest_path, "files", dict)
+    buckets = _need(manifest, manifest_path, "buckets", list)
+    cache_json = _need(manifest, manifest_path, "cache", dict)
+    page_size = _need(manifest, manifest_path, "page_size", int)
+    try:
+        cache_types = {name: parse_type(text) for name, text in _need(manifest, manifest_path, "cache_types",
+                                                                         dict).items()}
+        sizes = {k: int(cache_json["sizes"][k]) for k in ("B", "M", "P", "S")}
+        keys = [(int(b["tokens"]), int(b["rows"]), str(b["file"])) for b in buckets]
+        CacheConfig(max_seqs=cache_json["max_seqs"], max_context=cache_json["max_context"],
+                    num_pages=cache_json["num_pages"], max_step_tokens=cache_json["max_step_tokens"])
+    except (KeyError, TypeError, ValueError) as err:
+        raise _refuse(manifest_path, f"malformed cache or bucket description ({err})") from None
+    for rel in [WEIGHTS, *(f for _, _, f in keys)]:
+        if rel not in files:
+            raise _refuse(manifest_path, f"{rel} is not listed under 'files' (no hash to check it against)")
+    if not keys:
+        raise _refuse(manifest_path, "lists no exported buckets")
+    _check_files(root, files, verify_hashes)
+
+    weights = SafetensorsFile(root / WEIGHTS)  # validates the header and layout; data is read lazily
+    param_specs = {name: jax.ShapeDtypeStruct(info.shape, info.np_dtype) for name, info in weights.tensors.items()}
+    caches = cache_specs(cache_types, sizes)
+    exported = {}
+    for tokens, rows, rel in keys:
+        file = root / rel
+        exp = _deserialize(file, manifest)
+        _check_exported(file, exp, manifest, (param_specs, caches, batch_specs(tokens, rows, sizes)))
+        exported[(tokens, rows)] = exp
+    params = {name: jnp.asarray(weights.read(name)) for name in weights.tensors}
+    program = ExportedProgram(page_size, cache_types, exported)
+    return ArtifactModel(root, manifest, params, program)

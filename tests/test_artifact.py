@@ -1,0 +1,230 @@
+"""Artifacts: export per shape bucket, run from the directory alone, refuse anything tampered, truncated or foreign."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import jax
+import jaxlib
+import numpy as np
+import pytest
+
+import qcompile
+from qcompile.errors import CheckpointError, UsageError
+from qcompile.frontend.tiny import write_tiny
+from qcompile.runtime.artifact import (
+    MANIFEST,
+    ExportedProgram,
+    bucket_shapes,
+    is_artifact,
+    load_artifact,
+    sha256_file,
+    write_artifact,
+)
+from qcompile.runtime.engine import CacheConfig
+from qcompile.runtime.model import load_model
+
+CACHE = CacheConfig(max_seqs=2, max_context=64, max_step_tokens=16)
+PROMPTS = [[3, 17, 42, 9, 250], [(7 * i + 5) % 500 + 3 for i in range(23)]]  # 23 > max_step_tokens: chunked prefill
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """A tiny checkpoint, its loaded model, and a CPU artifact written from it (checkpoint deleted afterwards)."""
+    root = tmp_path_factory.mktemp("artifact")
+    ckpt = write_tiny(root / "ckpt", family="qwen3_5_moe", seed=1)
+    model = load_model(ckpt, progress=False)
+    out = root / "out"
+    manifest = write_artifact(out, model.graph, model.params, config_json=model.checkpoint.config.to_json(),
+                              cache=CACHE, target="cpu", extra={"pipeline": "none"}, progress=False)
+    shutil.rmtree(ckpt)
+    return model, out, manifest
+
+
+@pytest.fixture
+def artifact_copy(built, tmp_path):
+    _, out, _ = built
+    copy = tmp_path / "copy"
+    shutil.copytree(out, copy)
+    return copy
+
+
+def refusal(path) -> CheckpointError:
+    with pytest.raises(CheckpointError) as info:
+        load_artifact(path)
+    err = info.value
+    assert err.exit_code == 65
+    assert "\n" not in str(err)
+    return err
+
+
+def test_buckets_cover_prefill_and_decode():
+    assert bucket_shapes(CACHE) == [(1, 2), (1, 1), (2, 2), (4, 2), (4, 4), (8, 2), (8, 8), (16, 2), (16, 16)]
+    # max_step_tokens rounds up to a power of two; a decode step of max_seqs tokens always has a bucket
+    assert max(t for t, _ in bucket_shapes(CacheConfig(max_seqs=2, max_step_tokens=12))) == 16
+    assert max(t for t, _ in bucket_shapes(CacheConfig(max_seqs=8, max_step_tokens=4))) == 8
+
+
+def test_round_trip_matches_checkpoint(built):
+    model, out, _ = built
+    assert is_artifact(out)
+    art = load_artifact(out)
+    assert isinstance(art.program, ExportedProgram)
+    assert art.config_json["family"] == "qwen3_5_moe"
+    assert art.cache_config == CACHE
+    assert set(art.params) == set(model.params)
+    for name, value in model.params.items():
+        np.testing.assert_array_equal(np.asarray(art.params[name]), np.asarray(value))
+
+    got = art.engine().generate(PROMPTS, 6, prompt_logits=True)
+    want = model.engine(CACHE).generate(PROMPTS, 6, prompt_logits=True)
+    assert got["tokens"] == want["tokens"]
+    for a, b in zip(got["prompt_logits"], want["prompt_logits"]):
+        assert a.shape == b.shape
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b).max())
+    for sa, sb in zip(got["step_logits"], want["step_logits"]):
+        for a, b in zip(sa, sb):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b).max())
+
+
+def test_manifest_contents(built):
+    model, out, manifest = built
+    on_disk = json.loads((out / MANIFEST).read_text())
+    assert on_disk == manifest
+    assert manifest["format_version"] == 1
+    assert manifest["qcompile_version"] == qcompile.__version__
+    assert manifest["jax_version"] == jax.__version__
+    assert manifest["jaxlib_version"] == jaxlib.__version__
+    assert manifest["target"] == "cpu" and manifest["platform"] == "cpu"
+    assert "mesh" in manifest and manifest["mesh"] is None
+    assert manifest["config"] == json.loads(json.dumps(model.checkpoint.config.to_json()))
+    assert manifest["pipeline"] == "none"
+    assert manifest["page_size"] == 16
+    assert manifest["cache"]["sizes"] == {"B": 2, "M": 4, "P": 8, "S": 2}
+    assert set(manifest["cache_types"]) == set(model.graph.meta["caches"])
+    assert [(b["tokens"], b["rows"]) for b in manifest["buckets"]] == bucket_shapes(CACHE)
+    listed = set(manifest["files"])
+    assert listed == {"weights.safetensors", "graph.qir", *(b["file"] for b in manifest["buckets"])}
+    on_dir = {str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()} - {MANIFEST}
+    assert on_dir == listed
+    for rel, entry in manifest["files"].items():
+        assert entry["bytes"] == (out / rel).stat().st_size
+        assert entry["sha256"] == sha256_file(out / rel)
+
+
+def test_tampered_weights_refused(artifact_copy):
+    path = artifact_copy / "weights.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-100] ^= 0x01
+    path.write_bytes(bytes(data))
+    err = refusal(artifact_copy)
+    assert "weights.safetensors" in str(err) and "sha256" in str(err)
+
+
+def test_truncated_exec_refused(artifact_copy):
+    path = artifact_copy / "exec" / "step_T16_R2.jaxexport"
+    path.write_bytes(path.read_bytes()[:1000])
+    err = refusal(artifact_copy)
+    assert "step_T16_R2.jaxexport" in str(err) and "truncated" in str(err)
+
+
+def test_missing_exec_refused(artifact_copy):
+    (artifact_copy / "exec" / "step_T4_R4.jaxexport").unlink()
+    err = refusal(artifact_copy)
+    assert "step_T4_R4.jaxexport" in str(err) and "missing" in str(err)
+
+
+def edit_manifest(root: Path, **changes) -> None:
+    path = root / MANIFEST
+    manifest = json.loads(path.read_text())
+    manifest.update(changes)
+    path.write_text(json.dumps(manifest))
+
+
+def test_foreign_target_refused(artifact_copy):
+    edit_manifest(artifact_copy, target="tpu", platform="tpu")
+    err = refusal(artifact_copy)
+    assert "compiled for tpu" in str(err) and "this machine runs cpu" in str(err)
+    assert str(artifact_copy) in str(err)
+
+
+def test_edited_manifest_shapes_caught_by_executables(artifact_copy):
+    # The manifest carries no hash of itself: its claims are checked against the (hashed) executables.
+    path = artifact_copy / MANIFEST
+    manifest = json.loads(path.read_text())
+    manifest["cache"]["sizes"]["P"] = 9  # shapes no longer match the exported executables
+    path.write_text(json.dumps(manifest))
+    err = refusal(artifact_copy)
+    assert "mismatched artifact" in str(err) and ".jaxexport" in str(err)
+
+
+def test_format_version_refused(artifact_copy):
+    edit_manifest(artifact_copy, format_version=999)
+    err = refusal(artifact_copy)
+    assert "manifest.json" in str(err) and "999" in str(err) and "format_version 1" in str(err)
+
+
+def test_manifest_not_json_refused(artifact_copy):
+    (artifact_copy / MANIFEST).write_text("{not json")
+    err = refusal(artifact_copy)
+    assert "manifest.json" in str(err) and "JSON" in str(err)
+
+
+def test_missing_manifest_refused(artifact_copy):
+    (artifact_copy / MANIFEST).unlink()
+    err = refusal(artifact_copy)
+    assert "manifest.json" in str(err) and "missing" in str(err)
+    assert not is_artifact(artifact_copy)
+
+
+def test_undeserializable_exec_refused_with_versions(artifact_copy):
+    # A file this jax cannot read (as an executable from an incompatible jax would be), with a matching hash.
+    rel = "exec/step_T1_R1.jaxexport"
+    (artifact_copy / rel).write_bytes(b"\x00" * 64)
+    path = artifact_copy / MANIFEST
+    manifest = json.loads(path.read_text())
+    manifest["files"][rel] = {"sha256": sha256_file(artifact_copy / rel), "bytes": 64}
+    manifest["jax_version"] = "0.0.1"
+    path.write_text(json.dumps(manifest))
+    err = refusal(artifact_copy)
+    assert "step_T1_R1.jaxexport" in str(err)
+    assert "jax 0.0.1" in str(err) and f"jax {jax.__version__}" in str(err)
+
+
+def test_tpu_target_exports_here_and_refuses_to_run(built, tmp_path):
+    model, _, _ = built
+    small = CacheConfig(max_seqs=2, max_context=64, max_step_tokens=16)
+    manifest = write_artifact(tmp_path / "tpu", model.graph, model.params,
+                              config_json=model.checkpoint.config.to_json(), cache=small, target="tpu",
+                              progress=False)
+    assert manifest["target"] == "tpu" and manifest["platform"] == "tpu"
+    assert all((tmp_path / "tpu" / b["file"]).stat().st_size > 0 for b in manifest["buckets"])
+    err = refusal(tmp_path / "tpu")
+    assert "artifact was compiled for tpu; this machine runs cpu" in str(err)
+
+
+def test_refuses_to_clobber_unrelated_directory(built, tmp_path):
+    model, _, _ = built
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("precious")
+    with pytest.raises(UsageError):
+        write_artifact(mine, model.graph, model.params, config_json={}, cache=CACHE, progress=False)
+    assert [p.name for p in mine.iterdir()] == ["notes.txt"]
+    assert (mine / "notes.txt").read_text() == "precious"
+
+
+def test_overwrites_an_existing_artifact(built, tmp_path):
+    model, out, _ = built
+    copy = tmp_path / "again"
+    shutil.copytree(out, copy)
+    small = CacheConfig(max_seqs=1, max_context=32, max_step_tokens=1)
+    manifest = write_artifact(copy, model.graph, model.params, config_json={}, cache=small, progress=False)
+    assert [(b["tokens"], b["rows"]) for b in manifest["buckets"]] == [(1, 1)]
+    assert sorted(p.name for p in (copy / "exec").iterdir()) == ["step_T1_R1.jaxexport"]
+    art = load_artifact(copy)
+    assert art.program.buckets == [(1, 1)]
+    with pytest.raises(UsageError):
+        art.program.token_bucket(2)
