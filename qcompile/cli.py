@@ -37,8 +37,10 @@ def cli():
     """qcompile: compile Qwen3.5-MoE / Qwen3-Next checkpoints into checked JAX executables.
 
     \b
-    qcompile [compile] [--passes SPEC] [-o OUT] CHECKPOINT   build, verify and report the step graph
-    qcompile run CHECKPOINT --prompt-ids 1,2,3               greedy generation
+    qcompile [compile] [--passes SPEC] [-o OUT] CHECKPOINT   build, optimize, check and export the step graph
+    qcompile run CHECKPOINT|OUT --prompt-ids 1,2,3           greedy generation (checkpoint or artifact)
+    qcompile passes                                          list the optimization passes
+    qcompile reproduce DIR                                   re-run a numerics failure's reproducer
     qcompile init-tiny DIR --family qwen3_5_moe              write a random HF-format checkpoint
 
     CHECKPOINT is a directory with config.json, a model.safetensors file with config.json beside it, or a
@@ -50,47 +52,76 @@ def cli():
 @cli.command("compile", context_settings=CONTEXT)
 @click.argument("checkpoint", type=click.Path(path_type=Path))
 @click.option("--passes", "passes_spec", default="all", show_default=True, metavar="SPEC",
-              help="Passes to run: all, none, a,b or all,-a (left to right, last mention wins).")
-@click.option("-o", "--output", type=click.Path(path_type=Path), help="Write graph.qir and report.json here.")
+              help="Passes to run: all, none, a,b or all,-a (left to right, last mention wins). See `qcompile passes`.")
+@click.option("-o", "--output", type=click.Path(path_type=Path),
+              help="Write the artifact here: exported executables, weights, manifest.json, graph.qir, report.json.")
+@click.option("--report", "report_path", type=click.Path(path_type=Path), help="Also write the JSON report here.")
 @click.option("--dtype", type=click.Choice(["f32", "bf16"]), help="Compute dtype (default: the checkpoint's).")
 @click.option("--page-size", default=16, show_default=True, help="KV cache page length in tokens (power of two).")
 @click.option("--target", type=click.Choice(["cpu", "gpu", "tpu"]), default="cpu", show_default=True,
-              help="Backend the executable is for (only cpu runs on this build so far).")
-@click.option("--report", "report_path", type=click.Path(path_type=Path), help="Also write the JSON report here.")
-def compile_cmd(checkpoint, passes_spec, output, dtype, page_size, target, report_path):
-    """Load CHECKPOINT, build and verify the step graph, run the selected passes, write the results."""
-    from qcompile.frontend.checkpoint import Checkpoint
-    from qcompile.ir.printer import print_graph
-    from qcompile.passes.registry import parse_spec
-    from qcompile.runtime.model import build_graph, summarize
+              help="Platform the artifact is exported for (tpu and gpu artifacts can be built here, not run).")
+@click.option("--verify", type=click.Choice(["each", "final", "none"]), default="each", show_default=True,
+              help="Numerics checks: after each pass and at the end, only at the end, or none.")
+@click.option("--verify-layers", type=int, metavar="N",
+              help="Check numerics on a slice of N real layers of each type (for models too large to run whole).")
+@click.option("--seed", default=0, show_default=True, help="Seed of the numerics check inputs.")
+@click.option("--print-ir-after", "print_ir_after", multiple=True, metavar="PASS|all",
+              help="Print the IR (stderr) after this pass; repeatable.")
+@click.option("--print-ir-after-change", is_flag=True, help="Print the IR (stderr) after every pass that changed it.")
+@click.option("--dump-dir", type=click.Path(path_type=Path), help="Write 000_input.qir, 001_<pass>.qir, ... here.")
+@click.option("--repro-dir", type=click.Path(path_type=Path),
+              help="Where a failing numerics check writes its reproducer (default ./qcompile-repro).")
+@click.option("--max-seqs", default=4, show_default=True, help="Artifact: concurrent sequences (batch slots).")
+@click.option("--max-context", default=512, show_default=True, help="Artifact: longest sequence in tokens.")
+@click.option("--max-step-tokens", default=64, show_default=True,
+              help="Artifact: largest token bucket; longer prompts are prefilled in chunks.")
+def compile_cmd(checkpoint, passes_spec, output, report_path, dtype, page_size, target, verify, verify_layers, seed,
+                print_ir_after, print_ir_after_change, dump_dir, repro_dir, max_seqs, max_context, max_step_tokens):
+    """Load CHECKPOINT, build and verify the step graph, run and check the selected passes, write the artifact."""
+    from qcompile.runtime.driver import CompileOptions, compile_checkpoint
+    from qcompile.runtime.engine import CacheConfig
 
-    started = time.perf_counter()
-    selected = parse_spec(passes_spec)
-    if target != "cpu":
-        raise UsageError(f"--target {target} is not available yet; this build compiles for cpu only")
-    ckpt = Checkpoint.open(checkpoint)
-    ckpt.warn_unknown()
-    graph = build_graph(ckpt, dtype, page_size)
-    report = {"qcompile_version": __version__, "checkpoint": str(checkpoint), "target": target,
-              "passes": {"spec": passes_spec, "selected": selected, "results": []}, **summarize(ckpt, graph)}
-    report["compile_seconds"] = round(time.perf_counter() - started, 3)
-    text = json.dumps(report, indent=2) + "\n"
-    if output:
-        output.mkdir(parents=True, exist_ok=True)
-        (output / "graph.qir").write_text(print_graph(graph))
-        (output / "report.json").write_text(text)
-    if report_path:
-        report_path.write_text(text)
-    layers = report["layers"]
-    params = report["parameters"]
+    opts = CompileOptions(
+        checkpoint=checkpoint, passes=passes_spec, output=output, report=report_path, dtype=dtype,
+        page_size=page_size, target=target, verify=verify, verify_layers=verify_layers, seed=seed,
+        print_ir_after=tuple(print_ir_after), print_ir_after_change=print_ir_after_change, dump_dir=dump_dir,
+        repro_dir=repro_dir,
+        cache=CacheConfig(max_seqs=max_seqs, max_context=max_context, max_step_tokens=max_step_tokens))
+    report = compile_checkpoint(opts, emit=click.echo)
+    layers, params = report["layers"], report["parameters"]
     click.echo(
         f"{report['family']}: {layers['total']} layers ({layers['linear_attention']} GDN, {layers['full_attention']}"
         f" attention), {params['total'] / 1e6:.2f}M parameters ({params['active_per_token'] / 1e6:.2f}M active per"
-        f" token), graph of {len(graph)} ops verified"
+        f" token), graph of {report['graph']['nodes']} ops verified in {report['compile_seconds']:.1f}s"
     )
-    click.echo(f"passes: {', '.join(selected) if selected else 'none selected (no passes are registered yet)'}")
-    if output:
-        click.echo(f"wrote {output / 'graph.qir'} and {output / 'report.json'}")
+
+
+@cli.command("passes", context_settings=CONTEXT)
+def passes_cmd():
+    """List every registered pass: name, summary, whether `all` selects it, tolerance class, requirements."""
+    from qcompile.passes.registry import PASSES
+
+    if not PASSES:
+        click.echo("no passes are registered yet; --passes accepts all and none")
+        return
+    click.echo(f"{'pass':<26} {'in all':<7} {'tolerance':<14} {'requires':<24} summary")
+    for p in PASSES.values():
+        requires = ", ".join(p.requires) or "-"
+        click.echo(f"{p.name:<26} {'yes' if p.in_all else 'no':<7} {p.tolerance:<14} {requires:<24} {p.summary}")
+
+
+@cli.command("reproduce", context_settings=CONTEXT)
+@click.argument("directory", type=click.Path(path_type=Path))
+def reproduce_cmd(directory):
+    """Re-run a numerics failure from the reproducer DIRECTORY a failed compile wrote."""
+    from qcompile.runtime.reproduce import reproduce
+
+    ok, line = reproduce(directory)
+    click.echo(line)
+    if not ok:
+        from qcompile.errors import NumericsError
+
+        raise NumericsError(f"still failing: {line}")
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -111,7 +142,7 @@ def _parse_ids(text: str) -> list[int]:
 @click.option("--save-logits", type=click.Path(path_type=Path), help="Save the prompt's logits, float32 [T, vocab], as .npy.")
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable JSON result.")
 def run_cmd(checkpoint, prompt_ids, max_new_tokens, dtype, save_logits, as_json):
-    """Greedy-generate from CHECKPOINT with the unoptimized graph and print the new token ids."""
+    """Greedy-generate from CHECKPOINT (or a compiled artifact directory) and print the new token ids."""
     import numpy as np
 
     from qcompile.runtime.engine import CacheConfig
@@ -119,23 +150,34 @@ def run_cmd(checkpoint, prompt_ids, max_new_tokens, dtype, save_logits, as_json)
 
     ids = _parse_ids(prompt_ids)
     started = time.perf_counter()
-    model = load_model(checkpoint, dtype)
-    model.checkpoint.warn_unknown()
-    vocab = model.checkpoint.config.vocab_size
+    from qcompile.runtime.artifact import is_artifact, load_artifact
+
+    if is_artifact(checkpoint):
+        if dtype:
+            raise UsageError("--dtype does not apply to an artifact: its dtype was fixed when it was compiled")
+        artifact = load_artifact(checkpoint)
+        engine, vocab = artifact.engine(), int(artifact.config_json["vocab_size"])
+        family, graph_dtype = artifact.config_json["family"], artifact.manifest.get("dtype")
+        limit = engine.cache_cfg.max_context
+        if len(ids) + max_new_tokens > limit:
+            raise UsageError(f"prompt + new tokens ({len(ids) + max_new_tokens}) exceed the artifact's max context "
+                             f"{limit}; recompile with a larger --max-context")
+    else:
+        model = load_model(checkpoint, dtype)
+        model.checkpoint.warn_unknown()
+        vocab, family, graph_dtype = model.checkpoint.config.vocab_size, model.checkpoint.config.family, model.graph.meta["dtype"]
+        engine = model.engine(CacheConfig(max_seqs=1, max_context=len(ids) + max_new_tokens))
     bad = [i for i in ids if not 0 <= i < vocab]
     if bad:
         raise UsageError(f"prompt id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
     loaded = time.perf_counter()
-    context = len(ids) + max_new_tokens
-    engine = model.engine(CacheConfig(max_seqs=1, max_context=context))
     result = engine.generate([ids], max_new_tokens, prompt_logits=save_logits is not None)
     done = time.perf_counter()
     tokens = result["tokens"][0]
     if save_logits:
         np.save(save_logits, np.asarray(result["prompt_logits"][0], np.float32))
     if as_json:
-        click.echo(json.dumps({"prompt_ids": ids, "tokens": tokens, "dtype": model.graph.meta["dtype"],
-                               "family": model.checkpoint.config.family,
+        click.echo(json.dumps({"prompt_ids": ids, "tokens": tokens, "dtype": graph_dtype, "family": family,
                                "seconds": {"load": round(loaded - started, 3), "generate": round(done - loaded, 3)}}))
     else:
         click.echo(",".join(str(t) for t in tokens))

@@ -33,11 +33,22 @@ class ImportOptions:
     dtype: str = "f32"  # compute / weight dtype of the graph
     page_size: int = 16  # KV cache page length in tokens
     gdn_mode: str = "auto"  # gdn_recurrence mode: auto | chunked | recurrent
+    layers: tuple[int, ...] | None = None  # import only these layers (a checking slice); None = all
 
 
-def cache_names(cfg: ModelConfig) -> list[str]:
+def select_layers(cfg: ModelConfig, per_type: int) -> tuple[int, ...]:
+    """The first `per_type` layers of each type (GDN and attention), in model order: a slice for numerics checks."""
+    chosen = []
+    for kind in sorted(set(cfg.layer_types)):
+        chosen += [i for i, t in enumerate(cfg.layer_types) if t == kind][:per_type]
+    return tuple(sorted(chosen))
+
+
+def cache_names(cfg: ModelConfig, layers: tuple[int, ...] | None = None) -> list[str]:
     names = []
     for layer, kind in enumerate(cfg.layer_types):
+        if layers is not None and layer not in layers:
+            continue
         if kind == FULL:
             names += [f"layers.{layer}.k_pages", f"layers.{layer}.v_pages"]
         else:
@@ -74,6 +85,8 @@ class _Importer:
         cfg, b = self.cfg, self.b
         x = b.add(Embed(), self.param("embed_tokens"), self.token_ids)
         for layer, kind in enumerate(cfg.layer_types):
+            if self.opts.layers is not None and layer not in self.opts.layers:
+                continue
             pre = f"layers.{layer}."
             h = self.zc_norm(x, pre + "input_layernorm")
             mixed = self.attention(layer, h) if kind == FULL else self.gdn(layer, h)
@@ -88,8 +101,8 @@ class _Importer:
             logits = b.add(Cast("f32"), logits)
         b.output("logits", logits)
         meta = {"name": cfg.family, "family": cfg.family, "dtype": self.dt, "page_size": self.opts.page_size,
-                "vocab_size": cfg.vocab_size,
-                "caches": cache_names(cfg)}
+                "vocab_size": cfg.vocab_size, "caches": cache_names(cfg, self.opts.layers),
+                "layers": list(self.opts.layers) if self.opts.layers is not None else list(range(cfg.num_layers))}
         return b.build(meta)
 
     def attention(self, layer: int, h: Value) -> Value:

@@ -83,10 +83,6 @@ class _Line:
     def rest(self) -> str:
         return self.text[self.pos:].strip()
 
-    def end(self) -> None:
-        if self.rest():
-            self.fail(f"unexpected {self.rest()[:40]!r} at end of line")
-
     def string(self, token: str) -> str:
         def unescape(m):
             if m.group(1) not in _ESCAPES:
@@ -104,13 +100,7 @@ class _Line:
         if kind == "name" and tok in _CONSTANTS:
             return _CONSTANTS[tok]
         if tok == "[":
-            items = []
-            while not self.at("]"):
-                items.append(self.value())
-                if not self.at("]"):
-                    self.next("punct", ",", "',' or ']'")
-            self.next("punct", "]")
-            return tuple(items)
+            return tuple(self.separated("]", self.value))
         self.fail(f"bad attribute value {tok!r}")
 
     def separated(self, close: str, item) -> list:
@@ -202,14 +192,13 @@ def _outputs(line: _Line) -> list[tuple[str, str]]:
     """`name=%v, ...` (names may be quoted)."""
     outputs = []
     while line.peek() is not None:
+        if outputs:
+            line.next("punct", ",", "',' between outputs")
         kind, name = line.next(what="an output name")
         if kind not in ("name", "str"):
             line.fail(f"expected an output name, got {name!r}")
-        name = line.string(name) if kind == "str" else name
         line.next("punct", "=")
-        outputs.append((name, line.next("val", what="a %value")[1]))
-        if line.peek() is not None:
-            line.next("punct", ",")
+        outputs.append((line.string(name) if kind == "str" else name, line.next("val", what="a %value")[1]))
     return outputs
 
 

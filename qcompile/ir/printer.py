@@ -10,17 +10,25 @@ Used by `graph.qir`, `--print-ir-after`, dumps, golden tests and error messages 
 
 from __future__ import annotations
 
+import re
+
 import attrs
 
 from qcompile.ir.graph import Graph, Node, Value
 from qcompile.ir.ops.core import Input, Param
 
 
+_ESCAPES = {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\t": "\\t", "\r": "\\r"}
+_PLAIN_NAME = re.compile(r"^[A-Za-z0-9_.]+$")
+
+
 def format_attr(value) -> str:
+    if hasattr(value, "item") and not isinstance(value, (str, bytes)):  # numpy scalars print as Python values
+        value = value.item()
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, str):
-        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        return '"' + "".join(_ESCAPES.get(c, c) for c in value) + '"'
     if isinstance(value, (tuple, list)):
         return "[" + ", ".join(format_attr(v) for v in value) + "]"
     return repr(value)
@@ -58,7 +66,8 @@ def print_graph(graph: Graph, title: str | None = None) -> str:
     for node in graph.nodes():
         namer.assign(node)
         lines.append("  " + format_op(node, namer))
-    outs = ", ".join(f"{name}={namer(v)}" for name, v in graph.outputs.items())
+    outs = ", ".join(f"{name if _PLAIN_NAME.match(name) else format_attr(name)}={namer(v)}"
+                     for name, v in graph.outputs.items())
     lines.append(f"  return {outs}")
     lines.append("}")
     return "\n".join(lines) + "\n"

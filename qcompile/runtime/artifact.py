@@ -408,7 +408,11 @@ class ExportedProgram:
                 have = ", ".join(f"T{t}/R{r}" for t, r in self.buckets)
                 raise UsageError(f"no exported executable for {key[0]} tokens and {key[1]} logit rows "
                                  f"(the artifact has {have})")
-            fn = self._callables[key] = jax.jit(self._exported[key].call, donate_argnums=(1,))
+            # Single device: pin in/out shardings so that committed outputs fed back as inputs (the caches) hit
+            # the same compiled executable instead of compiling the bucket a second time.
+            device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+            fn = self._callables[key] = jax.jit(self._exported[key].call, donate_argnums=(1,),
+                                                in_shardings=device, out_shardings=device)
         return fn(params, caches, batch)
 
 

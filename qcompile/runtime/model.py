@@ -32,7 +32,7 @@ class LoadedModel:
 
 
 def build_graph(checkpoint: Checkpoint, dtype: str | None = None, page_size: int = 16,
-                gdn_mode: str = "auto") -> Graph:
+                gdn_mode: str = "auto", layers: tuple[int, ...] | None = None) -> Graph:
     """The verified, unoptimized step graph of a checkpoint (dtype defaults to the checkpoint's own)."""
     dtype = dtype or checkpoint.config.dtype
     if dtype == "f16":
@@ -42,7 +42,8 @@ def build_graph(checkpoint: Checkpoint, dtype: str | None = None, page_size: int
     if page_size <= 0 or page_size & (page_size - 1):
         raise UsageError(f"page size must be a power of two, got {page_size}")
     shapes = {name: ref.shape for name, ref in checkpoint.params.items()}
-    graph = import_graph(checkpoint.config, shapes, ImportOptions(dtype=dtype, page_size=page_size, gdn_mode=gdn_mode))
+    graph = import_graph(checkpoint.config, shapes, ImportOptions(dtype=dtype, page_size=page_size, gdn_mode=gdn_mode,
+                                                                    layers=layers))
     verify(graph)
     return graph
 

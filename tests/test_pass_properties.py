@@ -1,0 +1,65 @@
+"""Properties every registered pass must satisfy, on random configs of both families (Hypothesis).
+
+For each example: a random valid config is written as a real checkpoint; the unoptimized graph must match
+transformers on it; then for every pass in the registry (and, until the real optimization passes land, the toy
+passes of toy_passes.py): the verifier holds after it, its numerics are within its tolerance class against the
+unoptimized graph, running it twice equals running it once, and `all` minus any one pass still verifies and checks.
+
+Example count: QCOMPILE_HYPOTHESIS_EXAMPLES (default 2, sized to the CI budget: each example compiles several
+graphs); run with a larger count before resolving a pass issue.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+
+import hf_oracle
+import toy_passes
+from strategies import model_configs
+from qcompile.frontend.tiny import write_checkpoint
+from qcompile.ir.verifier import verify
+from qcompile.passes.base import PassContext
+from qcompile.passes.equivalence import EquivalenceChecker, structural_hash
+from qcompile.passes.manager import run_pipeline
+from qcompile.passes.registry import PASSES
+from qcompile.runtime.engine import CacheConfig
+from qcompile.runtime.model import load_model
+
+EXAMPLES = int(os.environ.get("QCOMPILE_HYPOTHESIS_EXAMPLES", "2"))
+CANDIDATES = {**PASSES, **{k: v for k, v in toy_passes.GOOD.items() if k not in PASSES}}
+
+
+@settings(max_examples=EXAMPLES, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,
+                                 HealthCheck.data_too_large])
+@given(config=model_configs())
+def test_every_pass_keeps_its_contract_on_random_configs(config, tmp_path_factory):
+    path = write_checkpoint(tmp_path_factory.mktemp("prop") / "m", config, seed=2)
+    model = load_model(path, progress=False)
+    vocab = model.checkpoint.config.vocab_size
+    prompt = [int(x) for x in np.random.default_rng(0).integers(3, vocab, 13)]
+
+    # The unoptimized graph is right for this config: transformers agrees.
+    engine = model.engine(CacheConfig(max_seqs=4, max_context=32))
+    ours = engine.step([(engine.add_sequence(), prompt)], all_logits=True)[0]
+    ref = hf_oracle.hf_logits(path, prompt)
+    assert np.abs(ours - ref).max() <= 1e-4 * max(1.0, np.abs(ref).max())
+
+    checker = EquivalenceChecker(model.graph, model.params, seed=1)
+    ctx = PassContext()
+    for name, pass_ in CANDIDATES.items():
+        once = pass_.run(model.graph, ctx)
+        if once.skipped is not None:
+            assert not once.changed and once.graph is model.graph, f"{name} skipped but changed the graph"
+            continue
+        verify(once.graph)
+        result = checker.check(once.graph, pass_.bound(model.graph.meta["dtype"]))
+        assert result.ok, f"{name}: {result.reason}"
+        twice = pass_.run(once.graph, ctx)
+        assert structural_hash(twice.graph) == structural_hash(once.graph), f"{name} is not idempotent"
+    for left_out in CANDIDATES:
+        rest = [p for n, p in CANDIDATES.items() if n != left_out]
+        run_pipeline(model.graph, rest, ctx, verify_mode="final", checker=checker)
