@@ -157,7 +157,7 @@ def run_cmd(checkpoint, prompt_ids, max_new_tokens, dtype, save_logits, as_json)
             raise UsageError("--dtype does not apply to an artifact: its dtype was fixed when it was compiled")
         artifact = load_artifact(checkpoint)
         engine, vocab = artifact.engine(), int(artifact.config_json["vocab_size"])
-        family, graph_dtype = artifact.config_json["family"], artifact.manifest.get("dtype")
+        family, graph_dtype = artifact.config_json["family"], artifact.manifest.get("compute_dtype")
         limit = engine.cache_cfg.max_context
         if len(ids) + max_new_tokens > limit:
             raise UsageError(f"prompt + new tokens ({len(ids) + max_new_tokens}) exceed the artifact's max context "

@@ -216,6 +216,22 @@ def test_refuses_to_clobber_unrelated_directory(built, tmp_path):
     assert (mine / "notes.txt").read_text() == "precious"
 
 
+def test_writes_into_empty_or_interrupted_directories(built, tmp_path):
+    model, _, _ = built
+    small = CacheConfig(max_seqs=1, max_context=32, max_step_tokens=1)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    write_artifact(empty, model.graph, model.params, config_json={}, cache=small, progress=False)
+    assert is_artifact(empty)
+    # an interrupted write leaves its marker and no manifest: load says so, and a rerun may overwrite it
+    (empty / MANIFEST).unlink()
+    (empty / ".qcompile-writing").write_text("")
+    assert "interrupted" in str(refusal(empty))
+    write_artifact(empty, model.graph, model.params, config_json={}, cache=small, progress=False)
+    assert not (empty / ".qcompile-writing").exists()
+    load_artifact(empty)
+
+
 def test_overwrites_an_existing_artifact(built, tmp_path):
     model, out, _ = built
     copy = tmp_path / "again"

@@ -47,7 +47,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import sys
 import time
 from pathlib import Path, PurePosixPath
@@ -287,7 +286,8 @@ def _refuse(where, problem: str) -> CheckpointError:
 
 
 def _version_line(manifest: dict) -> str:
-    return (f"it was exported with jax {manifest.get('jax_version', '?')} / jaxlib {manifest.get('jaxlib_version', '?')}, "
+    exported_with = f"jax {manifest.get('jax_version', '?')} / jaxlib {manifest.get('jaxlib_version', '?')}"
+    return (f"it was exported with {exported_with}, "
             f"this machine has jax {jax.__version__} / jaxlib {jaxlib.__version__}")
 
 

@@ -20,7 +20,6 @@ from qcompile import __version__
 from qcompile.errors import UsageError
 from qcompile.frontend.checkpoint import Checkpoint
 from qcompile.ir.importer import select_layers
-from qcompile.ir.printer import print_graph
 from qcompile.passes.base import PassContext
 from qcompile.passes.equivalence import EquivalenceChecker
 from qcompile.passes.manager import Instruments, Reproducer, run_pipeline
@@ -138,10 +137,10 @@ def _write_output(opts: CompileOptions, ckpt: Checkpoint, graph, params, report:
     if params is None:
         params = load_params(ckpt, graph)
     extra = {"pipeline": report["passes"]["spec"], "passes": report["passes"],
-             "equivalence": report["passes"]["final_check"], "model": {k: report[k] for k in ("family", "layers", "parameters")}}
+             "equivalence": report["passes"]["final_check"], "compute_dtype": graph.meta["dtype"],
+             "model": {k: report[k] for k in ("family", "layers", "parameters")}}
     write_artifact(opts.output, graph, params, config_json=ckpt.config.to_json(), cache=opts.cache,
                    target=opts.target, extra=extra)
-    (opts.output / "graph.qir").write_text(print_graph(graph))
     emit(f"wrote artifact {opts.output} (target {opts.target}): executables, weights, manifest.json, graph.qir, report.json")
 
 
