@@ -169,11 +169,11 @@ def assert_rejected(capsys, tmp_path: Path, target: Path, *needles: str, protect
 def test_pristine_copy_compiles(fresh, capsys, tmp_path, family):
     ckpt = fresh(family)
     before = snapshot(ckpt)
-    code, out, err = run_cli(capsys, "--passes", "none", ckpt, "-o", tmp_path / "out")
+    code, out, err = run_cli(capsys, "--passes", "none", ckpt, "--report", tmp_path / "report.json")
     assert code == 0, err
     assert err == ""
     assert out.startswith(f"{family}: 4 layers")
-    assert (tmp_path / "out" / "report.json").is_file()
+    assert (tmp_path / "report.json").is_file()
     assert snapshot(ckpt) == before
 
 

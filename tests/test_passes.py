@@ -155,3 +155,14 @@ def test_check_inputs_mix_prefill_decode_and_non_empty_caches(tiny):
     positions = checker.batch["positions"]
     assert positions[0] == 7 and positions[1] == 12 and positions[6] == 0  # the first two continue cached sequences
     assert all(np.abs(v).max() > 0 for k, v in checker.caches.items())  # warm-up filled every cache
+
+
+def test_lossy_pass_is_checked_with_its_bound_and_a_drift_decode(tiny):
+    model, checker = tiny
+    result = run_pipeline(model.graph, [toy_passes.ROUND_STATE], checker=checker)
+    (record,) = result.records
+    assert record.check["ok"] and 0 < record.check["max_error"] <= 2e-2
+    assert 0 < record.check["drift"] <= 2e-2  # measured over 8 teacher-forced decode steps
+    assert result.final_check.bound == 2e-2
+    with pytest.raises(NumericsError, match="round-state-tight"):
+        run_pipeline(model.graph, [toy_passes.ROUND_STATE_TIGHT], checker=checker)

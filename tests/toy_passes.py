@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import attrs
 
-from qcompile.ir.ops.core import Add, Concat, Linear, RmsNorm, Slice
+from qcompile.ir.ops.core import Add, Cast, Concat, Linear, RmsNorm, Slice
+from qcompile.ir.ops.gdn import GdnRecurrence
 from qcompile.ir.types import TensorType
 from qcompile.passes.base import Pass, PassContext, PassResult
 from qcompile.passes.rewrite import rewrite
@@ -80,6 +81,21 @@ def _liar(graph, ctx: PassContext) -> PassResult:
     return attrs.evolve(result, changed=False)
 
 
+def _round_state(graph, ctx: PassContext) -> PassResult:
+    """Stores the GDN recurrent state rounded to bf16 (and back): lossy, like the real bf16-state pass will be.
+
+    Not idempotent (a second run rounds again), so it is kept out of GOOD and the property tests.
+    """
+    def rule(b, node, ops):
+        if isinstance(node.op, GdnRecurrence):
+            out, state = b.add(node.op, *ops)
+            return out, b.add(Cast("f32"), b.add(Cast("bf16"), state))
+        return None
+
+    new, count = rewrite(graph, rule)
+    return PassResult(new, count > 0, {"states": count})
+
+
 def _skip(graph, ctx: PassContext) -> PassResult:
     return PassResult(graph, False, skipped=f"needs 2+ devices, have {ctx.num_devices}")
 
@@ -97,4 +113,8 @@ LOOSEN_EPS = Pass("loosen-eps", "Broken: changes rmsnorm eps.", _loosen_eps, "re
 WRONG_TYPES = Pass("wrong-types", "Broken: emits a wrong result type.", _wrong_types, "exact")
 LIAR = Pass("liar", "Broken: changes the graph but says it did not.", _liar, "exact")
 CRASH = Pass("crash", "Broken: raises.", _crash, "exact")
+ROUND_STATE = Pass("round-state", "Lossy: recurrent state rounded to bf16.", _round_state, "lossy", lossy_bound=2e-2,
+                   drift_steps=8)
+ROUND_STATE_TIGHT = Pass("round-state-tight", "Lossy with a bound it cannot meet.", _round_state, "lossy",
+                         lossy_bound=1e-6, drift_steps=8)
 BROKEN = {p.name: p for p in (LOOSEN_EPS, WRONG_TYPES, LIAR, CRASH)}

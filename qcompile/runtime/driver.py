@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import attrs
+from tqdm import tqdm
 
 from qcompile import __version__
 from qcompile.errors import UsageError
@@ -71,6 +72,7 @@ def compile_checkpoint(opts: CompileOptions, emit: Callable[[str], None] = print
     ckpt = Checkpoint.open(opts.checkpoint)
     ckpt.warn_unknown()
     graph = build_graph(ckpt, opts.dtype, opts.page_size)
+    emit(_model_line(ckpt, graph))
     ctx = PassContext(target=opts.target, num_devices=1)
     instruments = Instruments(opts.print_ir_after, opts.print_ir_after_change, opts.dump_dir,
                               emit=lambda text: print(text, file=sys.stderr))
@@ -80,15 +82,26 @@ def compile_checkpoint(opts: CompileOptions, emit: Callable[[str], None] = print
     params = None
     if opts.verify != "none" and selected:
         params = load_params(ckpt, check_graph)
+        if sys.stderr.isatty():
+            print("qcompile: preparing numerics check inputs (warm-up step of the unoptimized graph)...",
+                  file=sys.stderr, flush=True)
         checker = EquivalenceChecker(check_graph, params, seed=opts.seed)
     settings = {"dtype": graph.meta["dtype"], "page_size": opts.page_size, "verify_layers": layers,
                 "meta": check_graph.meta}
     reproducer = Reproducer(opts.repro_dir or Path("qcompile-repro"), str(opts.checkpoint), settings)
     emit(f"passes ({spec_of(selected)}):" if selected else "passes: none selected"
          + ("" if parse_spec("all") else " (no passes are registered yet)"))
-    result = run_pipeline(check_graph, selected, ctx, verify_mode=opts.verify if selected else "none",
-                          checker=checker, instruments=instruments, reproducer=reproducer,
-                          on_record=lambda record: emit(record.line()))
+    bar = tqdm(total=len(selected), desc="passes", unit="pass", file=sys.stderr, leave=False,
+               disable=not (selected and sys.stderr.isatty()))
+
+    def on_record(record):
+        bar.update(1)
+        bar.set_postfix_str(record.name)
+        emit(record.line())
+
+    with bar:
+        result = run_pipeline(check_graph, selected, ctx, verify_mode=opts.verify if selected else "none",
+                              checker=checker, instruments=instruments, reproducer=reproducer, on_record=on_record)
     final_graph = result.graph
     if layers is not None:  # the slice was checked; now rewrite the whole graph with structural verification
         final_graph = run_pipeline(graph, selected, ctx, verify_mode="none").graph
@@ -113,6 +126,16 @@ def compile_checkpoint(opts: CompileOptions, emit: Callable[[str], None] = print
     if opts.report is not None:
         opts.report.write_text(text)
     return report
+
+
+def _model_line(ckpt: Checkpoint, graph) -> str:
+    cfg = ckpt.config
+    summary = summarize(ckpt, graph)
+    params = summary["parameters"]
+    return (f"{cfg.family}: {cfg.num_layers} layers ({summary['layers']['linear_attention']} GDN, "
+            f"{summary['layers']['full_attention']} attention), {params['total'] / 1e6:.2f}M parameters "
+            f"({params['active_per_token'] / 1e6:.2f}M active per token), {graph.meta['dtype']}, "
+            f"graph of {len(graph)} ops verified")
 
 
 def _check_slice(ckpt: Checkpoint, opts: CompileOptions, warn) -> tuple[int, ...] | None:
