@@ -47,3 +47,17 @@ def qc_model():
         return _MODELS[key]
 
     return load
+
+
+def write_small(path, family: str = "qwen3_5_moe", seed: int = 0, layer_types=("linear_attention", "full_attention")):
+    """A tiny checkpoint with fewer layers (default: one GDN, one attention): half the compile time of the 4-layer one,
+    for tests of the pass machinery rather than of the model."""
+    import copy
+
+    from qcompile.frontend.tiny import full_config, write_checkpoint
+
+    config = copy.deepcopy(full_config("tiny", family, "f32"))
+    text = config["text_config"] if family == "qwen3_5_moe" else config
+    text["num_hidden_layers"] = len(layer_types)
+    text["layer_types"] = list(layer_types)
+    return write_checkpoint(path, config, seed=seed)

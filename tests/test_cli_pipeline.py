@@ -21,9 +21,10 @@ def toy_registry(monkeypatch):
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    from qcompile.frontend.tiny import write_tiny
+    from conftest import write_small
 
-    return write_tiny(tmp_path_factory.mktemp("pipe") / "m", family="qwen3_next", seed=6)
+    return write_small(tmp_path_factory.mktemp("pipe") / "m", family="qwen3_next", seed=6,
+                       layer_types=("linear_attention", "full_attention", "linear_attention"))
 
 
 def test_passes_command_lists_the_table(toy_registry, capsys):
@@ -73,9 +74,9 @@ def test_verify_layers_checks_a_slice_of_each_type(toy_registry, ckpt, capsys, t
     code, out, err = cli(capsys, "--passes", "swap-add", ckpt, "--verify-layers", "1", "--report", tmp_path / "r.json")
     assert code == 0, err
     report = json.loads((tmp_path / "r.json").read_text())
-    assert report["passes"]["verify_layers"] == [0, 3]  # first GDN layer, first attention layer of LLLA
-    assert "on layers [0, 3]" in out
-    assert report["graph"]["ops"]["gdn_recurrence"] == 3  # the emitted graph is still the whole model
+    assert report["passes"]["verify_layers"] == [0, 1]  # first GDN layer, first attention layer of L A L
+    assert "on layers [0, 1]" in out
+    assert report["graph"]["ops"]["gdn_recurrence"] == 2  # the emitted graph is still the whole model
 
 
 def test_numerics_failure_exits_3_and_reproduces(toy_registry, ckpt, capsys, tmp_path):

@@ -22,10 +22,10 @@ TABLE = {**toy_passes.GOOD, **toy_passes.BROKEN}
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from qcompile.frontend.tiny import write_tiny
+    from conftest import write_small
     from qcompile.runtime.model import load_model
 
-    path = write_tiny(tmp_path_factory.mktemp("passes") / "m", family="qwen3_5_moe", seed=4)
+    path = write_small(tmp_path_factory.mktemp("passes") / "m", family="qwen3_5_moe", seed=4)
     model = load_model(path, progress=False)
     return model, EquivalenceChecker(model.graph, model.params, seed=0)
 
@@ -51,9 +51,9 @@ def test_good_pipeline_reports_every_pass(tiny):
     passes = parse_spec("all", toy_passes.GOOD)
     result = run_pipeline(model.graph, passes, PassContext(num_devices=1), checker=checker)
     swap, split, skip = result.records
-    assert swap.status == "applied" and swap.changed and swap.stats["swapped"] > 10
+    assert swap.status == "applied" and swap.changed and swap.stats["swapped"] >= 5
     assert swap.check["max_error"] == 0.0 and swap.check["bound"] == 0.0  # exact class: bitwise
-    assert split.status == "applied" and split.stats["split"] > 10 and split.check["max_error"] <= 1e-5
+    assert split.status == "applied" and split.stats["split"] >= 5 and split.check["max_error"] <= 1e-5
     assert skip.status == "skipped" and skip.reason == "needs 2+ devices, have 1" and skip.check is None
     assert result.final_check.ok and result.final_check.max_error <= 1e-5
     assert set(result.final_check.errors) == set(model.graph.outputs)  # logits and every cache compared
@@ -126,7 +126,7 @@ def test_instruments_dump_and_print(tiny, tmp_path):
     files = sorted(p.name for p in (tmp_path / "dump").iterdir())
     assert files == ["000_input.qir", "001_swap-add.qir", "002_split-linear.qir", "003_needs-devices.qir"]
     assert len(printed) == 1 and printed[0].startswith("// ----- IR after swap-add -----")
-    assert (tmp_path / "dump" / "002_split-linear.qir").read_text().count("concat(") > 10
+    assert (tmp_path / "dump" / "002_split-linear.qir").read_text().count("concat(") >= 5
     changed = []
     run_pipeline(model.graph, parse_spec("all", toy_passes.GOOD), verify_mode="none",
                  instruments=Instruments(print_after_change=True, emit=changed.append))
