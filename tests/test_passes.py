@@ -153,7 +153,7 @@ def test_check_inputs_mix_prefill_decode_and_non_empty_caches(tiny):
     lengths = np.diff(qs)
     assert list(lengths[:3]) == [1, 5, 9]  # decode, continuation, fresh prefill
     positions = checker.batch["positions"]
-    assert positions[0] == 7 and positions[1] == 12 and positions[6] == 0  # the first two continue cached sequences
+    assert positions[0] == 5 and positions[1] == 9 and positions[6] == 0  # the first two continue cached sequences
     assert all(np.abs(v).max() > 0 for k, v in checker.caches.items())  # warm-up filled every cache
 
 
