@@ -98,13 +98,13 @@ class EquivalenceChecker:
         warm = [engine.add_sequence() for _ in CHECK_PROMPTS]
         warm_work = [(s, rng.integers(3, vocab, n).tolist()) for s, n in zip(warm, CHECK_PROMPTS)]
         # The warm-up runs through the same (non-donating) executable as the checks, so it costs no extra compile.
-        out = run_graph(reference, params, caches, engine._pack(warm_work, bucket, bucket, all_logits=True))
+        out = run_graph(reference, params, caches, engine.pack(warm_work, bucket, bucket, all_logits=True))
         caches = {k: out[k] for k in caches}
         for seq, tokens in warm_work:
             seq.length += len(tokens)
         fresh = engine.add_sequence()
         work = [(s, rng.integers(3, vocab, n).tolist()) for s, n in zip([*warm, fresh], CHECK_WORK)]
-        self.batch = engine._pack(work, bucket, bucket, all_logits=True)
+        self.batch = engine.pack(work, bucket, bucket, all_logits=True)
         self.caches = caches
         self._outputs: dict[str, dict] = {}
         self.reference_outputs = self.outputs(reference)

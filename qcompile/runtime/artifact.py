@@ -112,7 +112,7 @@ def bucket_file(tokens: int, rows: int) -> str:
 
 
 def batch_specs(tokens: int, rows: int, sizes: dict[str, int]) -> dict:
-    """ShapeDtypeStructs of the batch inputs, laid out exactly as Engine._pack builds them."""
+    """ShapeDtypeStructs of the batch inputs, laid out exactly as Engine.pack builds them."""
     i32 = np.int32
     shapes = {"token_ids": (tokens,), "positions": (tokens,), "query_start": (sizes["B"] + 1,),
               "page_table": (sizes["B"], sizes["M"]), "state_slots": (sizes["B"],), "logits_indices": (rows,)}

@@ -133,7 +133,7 @@ class Engine:
         total = sum(len(tokens) for _, tokens in work)
         num_tokens = self.program.token_bucket(max(total, 1))
         rows = num_tokens if all_logits else self.cache_cfg.max_seqs
-        batch = self._pack(work, num_tokens, rows, all_logits)
+        batch = self.pack(work, num_tokens, rows, all_logits)
         outputs = self.program(self.params, self.caches, batch)
         self.caches = {name: outputs[name] for name in self.cache_names}
         logits = np.asarray(outputs["logits"])
@@ -147,7 +147,8 @@ class Engine:
             start += len(tokens)
         return result
 
-    def _pack(self, work, num_tokens: int, rows: int, all_logits: bool) -> dict:
+    def pack(self, work, num_tokens: int, rows: int, all_logits: bool) -> dict:
+        """The batch inputs of one step (reserving KV pages for the new tokens), padded to the given bucket."""
         max_seqs = self.cache_cfg.max_seqs
         token_ids = np.zeros(num_tokens, np.int32)
         positions = np.zeros(num_tokens, np.int32)
