@@ -76,7 +76,7 @@ def compile_checkpoint(opts: CompileOptions, emit: Callable[[str], None] = print
     ctx = PassContext(target=opts.target, num_devices=1)
     instruments = Instruments(opts.print_ir_after, opts.print_ir_after_change, opts.dump_dir,
                               emit=lambda text: print(text, file=sys.stderr))
-    layers = _check_slice(ckpt, opts, warn)
+    layers = _check_slice(ckpt, opts, warn) if selected else None
     check_graph = graph if layers is None else build_graph(ckpt, opts.dtype, opts.page_size, layers=layers)
     checker = None
     params = None
