@@ -11,15 +11,18 @@ from collections.abc import Callable
 from qcompile.ir.graph import Graph, Value
 from qcompile.ir.ops.core import Input, Param
 from qcompile.ir.printer import describe_node
-from qcompile.ir.registry import LOWERINGS
+from qcompile.ir.registry import lowering_rule
 
 
 class LoweringError(Exception):
     pass
 
 
-def lower(graph: Graph) -> Callable[[dict, dict], dict]:
+def lower(graph: Graph, target: str = "reference") -> Callable[[dict, dict], dict]:
+    """`fn(params, inputs) -> outputs` with each op lowered by `target`'s rule (the reference rule where it has none)."""
     nodes = list(graph.nodes())
+    rules = {type(node.op): lowering_rule(type(node.op), target) for node in nodes
+             if not isinstance(node.op, (Input, Param))}
     outputs = dict(graph.outputs)
 
     def step(params: dict, inputs: dict) -> dict:
@@ -32,7 +35,7 @@ def lower(graph: Graph) -> Callable[[dict, dict], dict]:
                 results = (params[op.name],)
             else:
                 try:
-                    out = LOWERINGS[type(op)](op, *(env[v] for v in node.operands))
+                    out = rules[type(op)](op, *(env[v] for v in node.operands))
                 except Exception as err:
                     raise LoweringError(f"while lowering {describe_node(graph, node)}: {err}") from err
                 results = out if isinstance(out, tuple) else (out,)

@@ -2,8 +2,12 @@
 
 An op class is a frozen attrs class holding only attributes; `@op("name")` registers it under its text name.
 `@type_rule(Cls)` registers `fn(op, *operand_types) -> tuple[TensorType, ...]`; `@lowering(Cls)` registers
-`fn(op, *operand_arrays) -> array | tuple[array, ...]`, the op's one reference semantics. A test checks that every
-registered op has both.
+`fn(op, *operand_arrays) -> array | tuple[array, ...]`, the op's one reference semantics (target "reference").
+`@lowering(Cls, target="cpu")` registers a faster rule for one target; `lowering_rule(Cls, target)` returns the
+target's rule, falling back to the reference rule. Every target rule must compute the reference's function within
+the reassociating tolerance: the compile-time checker runs the user's graph with the target's rules against the
+reference rules, and a test fails when a target rule has no test comparing it with its reference.
+A test checks that every registered op has a type rule and a reference rule.
 """
 
 from __future__ import annotations
@@ -12,7 +16,10 @@ from collections.abc import Callable
 
 OPS: dict[str, type] = {}
 TYPE_RULES: dict[type, Callable] = {}
-LOWERINGS: dict[type, Callable] = {}
+#: (op class, target) -> lowering rule; target "reference" is the op's one semantics.
+LOWERINGS: dict[tuple[type, str], Callable] = {}
+#: Targets a lowering table can be keyed by.
+LOWERING_TARGETS = ("reference", "cpu", "tpu", "gpu")
 
 
 class OpTypeError(Exception):
@@ -38,12 +45,30 @@ def type_rule(cls):
     return register
 
 
-def lowering(cls):
+def lowering(cls, target: str = "reference"):
+    if target not in LOWERING_TARGETS:
+        raise ValueError(f"unknown lowering target {target!r}; one of {LOWERING_TARGETS}")
+
     def register(fn):
-        LOWERINGS[cls] = fn
+        if (cls, target) in LOWERINGS:
+            raise ValueError(f"{cls.__name__} has two {target} lowering rules")
+        LOWERINGS[(cls, target)] = fn
         return fn
 
     return register
+
+
+def lowering_rule(cls, target: str = "reference") -> Callable:
+    """The rule that lowers ops of `cls` for `target`: the target's own rule, else the reference rule."""
+    if target not in LOWERING_TARGETS:
+        raise ValueError(f"unknown lowering target {target!r}; one of {LOWERING_TARGETS}")
+    return LOWERINGS.get((cls, target)) or LOWERINGS[(cls, "reference")]
+
+
+def target_rules(target: str | None = None) -> list[tuple[type, str]]:
+    """(op class, target) of every rule that is not a reference rule (optionally for one target)."""
+    return sorted(((cls, t) for cls, t in LOWERINGS if t != "reference" and (target is None or t == target)),
+                  key=lambda key: (key[0].op_name, key[1]))
 
 
 def expect(condition: bool, message: str) -> None:
