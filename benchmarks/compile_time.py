@@ -30,9 +30,10 @@ from qcompile.frontend.checkpoint import Checkpoint  # noqa: E402
 from qcompile.frontend.tiny import full_config, write_checkpoint  # noqa: E402
 from qcompile.passes.base import PassContext  # noqa: E402
 from qcompile.passes.equivalence import EquivalenceChecker  # noqa: E402
-from qcompile.runtime.artifact import write_artifact  # noqa: E402
-from qcompile.runtime.engine import CacheConfig  # noqa: E402
-from qcompile.runtime.model import build_graph, load_params  # noqa: E402
+from qcompile.compiler.export import write_artifact  # noqa: E402
+from qcompile.ir.abi import CacheConfig  # noqa: E402
+from qcompile.ir.importer import build_graph  # noqa: E402
+from qcompile.ir.weights import load_params  # noqa: E402
 
 
 def timed(fn):

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import load_file
 
-from qcompile.runtime.engine import CacheConfig
+from qcompile.ir.abi import CacheConfig
 from qcompile.runtime.model import load_model
 
 

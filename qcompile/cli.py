@@ -78,8 +78,8 @@ def cli():
 def compile_cmd(checkpoint, passes_spec, output, report_path, dtype, page_size, target, verify, verify_layers, seed,
                 print_ir_after, print_ir_after_change, dump_dir, repro_dir, max_seqs, max_context, max_step_tokens):
     """Load CHECKPOINT, build and verify the step graph, run and check the selected passes, write the artifact."""
-    from qcompile.runtime.driver import CompileOptions, compile_checkpoint
-    from qcompile.runtime.engine import CacheConfig
+    from qcompile.compiler.driver import CompileOptions, compile_checkpoint
+    from qcompile.ir.abi import CacheConfig
 
     opts = CompileOptions(
         checkpoint=checkpoint, passes=passes_spec, output=output, report=report_path, dtype=dtype,
@@ -109,7 +109,7 @@ def passes_cmd():
 @click.argument("directory", type=click.Path(path_type=Path))
 def reproduce_cmd(directory):
     """Re-run a numerics failure from the reproducer DIRECTORY a failed compile wrote."""
-    from qcompile.runtime.reproduce import reproduce
+    from qcompile.compiler.reproduce import reproduce
 
     ok, line = reproduce(directory)
     click.echo(line)
@@ -140,7 +140,7 @@ def run_cmd(checkpoint, prompt_ids, max_new_tokens, dtype, save_logits, as_json)
     """Greedy-generate from CHECKPOINT (or a compiled artifact directory) and print the new token ids."""
     import numpy as np
 
-    from qcompile.runtime.engine import CacheConfig
+    from qcompile.ir.abi import CacheConfig
     from qcompile.runtime.model import load_model
 
     ids = _parse_ids(prompt_ids)

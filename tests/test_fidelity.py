@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import hf_oracle
-from qcompile.runtime.engine import CacheConfig
+from qcompile.ir.abi import CacheConfig
 
 FAMILIES = ["qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text"]
 PROMPT = [int(x) for x in np.random.default_rng(7).integers(3, 500, size=37)]
@@ -45,7 +45,7 @@ def test_greedy_decode_matches_transformers(family, hf_checkpoint, qc_model):
     steps = 17  # the prefill's token, then 16 single-token decode steps
     ref_tokens, ref_logits = hf_oracle.hf_greedy(path, PROMPT[:20], steps)
     engine = qc_model(path).engine(CacheConfig(max_seqs=4, max_context=64))
-    out = engine.generate([PROMPT[:20]], steps)
+    out = engine.generate([PROMPT[:20]], steps, step_logits=True)
     assert out["tokens"][0] == ref_tokens
     for i, (ours, ref) in enumerate(zip(out["step_logits"][0], ref_logits)):
         assert_close(ours, ref, f"{family} decode step {i}")

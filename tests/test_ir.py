@@ -125,7 +125,7 @@ def test_imported_graph_structure(family):
         counts[node.op.op_name] = counts.get(node.op.op_name, 0) + 1
     assert counts["gdn_recurrence"] == 3 and counts["paged_attention"] == 1
     assert counts["router_topk"] == 4 and counts["grouped_matmul"] == 12
-    assert set(graph.outputs) == {"logits", *graph.meta["caches"]}
+    assert set(graph.outputs) == {"logits", "next_tokens", *graph.meta["caches"]}
     assert graph.type_of(graph.outputs["logits"]) == TensorType("f32", ("R", 512))
     assert "page_size=8" in text and 'input "layers.3.k_pages" : f32[P,8,2,64]' in text
     assert 'input "layers.0.recurrent_state" : f32[S,4,16,32]' in text

@@ -25,7 +25,7 @@ from qcompile.passes.base import PassContext
 from qcompile.passes.equivalence import EquivalenceChecker, structural_hash
 from qcompile.passes.manager import run_pipeline
 from qcompile.passes.registry import PASSES
-from qcompile.runtime.engine import CacheConfig
+from qcompile.ir.abi import CacheConfig
 from qcompile.runtime.model import load_model
 
 EXAMPLES = int(os.environ.get("QCOMPILE_HYPOTHESIS_EXAMPLES", "2"))

@@ -9,23 +9,26 @@ Graph inputs (symbolic dims bound per shape bucket):
     token_ids i32[T], positions i32[T], query_start i32[B+1], page_table i32[B,M], state_slots i32[B],
     logits_indices i32[R], layers.{i}.k_pages / v_pages  dtype[P,page_size,Hkv,hd]   (full-attention layers),
     layers.{i}.conv_state dtype[S,conv_dim,K-1], layers.{i}.recurrent_state f32[S,Hv,dk,dv]   (GDN layers).
-Outputs: logits f32[R,V] and every cache under its input name.
+Outputs: logits f32[R,V], next_tokens i32[R] (greedy) and every cache under its input name.
 """
 
 from __future__ import annotations
 
 import attrs
 
+from qcompile.errors import UsageError
+from qcompile.frontend.checkpoint import Checkpoint
 from qcompile.frontend.config import FULL, ModelConfig
 from qcompile.ir.builder import Builder
 from qcompile.ir.graph import Graph, Value
 from qcompile.ir.ops.attention import KvCacheWrite, PagedAttention, Rope
-from qcompile.ir.ops.core import Activation, Add, Cast, Embed, Linear, Mul, Reshape, RmsNorm, Slice, TakeRows
+from qcompile.ir.ops.core import Activation, Add, Cast, Embed, Greedy, Linear, Mul, Reshape, RmsNorm, Slice, TakeRows
 from qcompile.ir.ops.gdn import CausalConv1d, GatedRmsNorm, GdnGates, GdnRecurrence
 from qcompile.ir.ops.moe import GroupedMatmul, MoeCombine, MoeDispatch, RouterTopK
 from qcompile.ir.types import TensorType
 
 T, B, R, P, M, S = "T", "B", "R", "P", "M", "S"
+DTYPE_CHOICES = ("f32", "bf16")
 
 
 @attrs.frozen
@@ -100,6 +103,7 @@ class _Importer:
         if self.dt != "f32":
             logits = b.add(Cast("f32"), logits)
         b.output("logits", logits)
+        b.output("next_tokens", b.add(Greedy(), logits))
         meta = {"name": cfg.family, "family": cfg.family, "dtype": self.dt, "page_size": self.opts.page_size,
                 "vocab_size": cfg.vocab_size, "caches": cache_names(cfg, self.opts.layers),
                 "layers": list(self.opts.layers) if self.opts.layers is not None else list(range(cfg.num_layers))}
@@ -174,3 +178,22 @@ def import_graph(cfg: ModelConfig, param_shapes: dict[str, tuple[int, ...]],
                  opts: ImportOptions = ImportOptions()) -> Graph:
     """Build the unoptimized step graph for `cfg`, whose parameters have the given canonical shapes."""
     return _Importer(cfg, param_shapes, opts).build()
+
+
+def build_graph(checkpoint: Checkpoint, dtype: str | None = None, page_size: int = 16,
+                gdn_mode: str = "auto", layers: tuple[int, ...] | None = None) -> Graph:
+    """The verified, unoptimized step graph of a checkpoint (dtype defaults to the checkpoint's own)."""
+    from qcompile.ir.verifier import verify
+
+    dtype = dtype or checkpoint.config.dtype
+    if dtype == "f16":
+        dtype = "f32"  # f16 checkpoints compute in f32: f16 overflows in these models' MLPs
+    if dtype not in DTYPE_CHOICES:
+        raise UsageError(f"unsupported compute dtype {dtype!r}; choose one of {', '.join(DTYPE_CHOICES)}")
+    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0 or page_size & (page_size - 1):
+        raise UsageError(f"--page-size must be a positive power of two, got {page_size}")
+    shapes = {name: ref.shape for name, ref in checkpoint.params.items()}
+    graph = import_graph(checkpoint.config, shapes, ImportOptions(dtype=dtype, page_size=page_size, gdn_mode=gdn_mode,
+                                                                    layers=layers))
+    verify(graph)
+    return graph

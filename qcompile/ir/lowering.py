@@ -8,14 +8,26 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from qcompile.errors import QCompileError
 from qcompile.ir.graph import Graph, Value
 from qcompile.ir.ops.core import Input, Param
 from qcompile.ir.printer import describe_node
-from qcompile.ir.registry import lowering_rule
+from qcompile.ir.registry import LOWERINGS, lowering_rule
 
 
-class LoweringError(Exception):
-    pass
+class LoweringError(QCompileError):
+    """An op could not be lowered (operands that do not fit its rule); names the op in the graph's text form."""
+
+
+#: jax.default_backend() -> lowering target of this host.
+_HOST_TARGETS = {"cpu": "cpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "tpu": "tpu"}
+
+
+def host_target() -> str:
+    """The lowering target of the platform this process runs on (the reference rules for an unknown platform)."""
+    import jax
+
+    return _HOST_TARGETS.get(jax.default_backend(), "reference")
 
 
 def lower(graph: Graph, target: str = "reference") -> Callable[[dict, dict], dict]:
@@ -44,3 +56,26 @@ def lower(graph: Graph, target: str = "reference") -> Callable[[dict, dict], dic
         return {name: env[value] for name, value in outputs.items()}
 
     return step
+
+
+def step_function(graph: Graph, target: str = "reference", with_logits: bool = True) -> Callable:
+    """`fn(params, caches, batch) -> outputs`, the step ABI (ir/abi.py) of `graph` lowered for `target`.
+
+    Without logits the step returns next_tokens and the caches only, so XLA need not materialise [R, V] floats as an
+    output and the host receives R token ids.
+    """
+    lowered = lower(graph, target)
+
+    def step(params, caches, batch):
+        outputs = lowered(params, {**caches, **batch})
+        if not with_logits:
+            outputs.pop("logits", None)
+        return outputs
+
+    return step
+
+
+def target_rules_used(graph: Graph, target: str) -> list[str]:
+    """Names of the ops of `graph` that `target` lowers with a rule of its own (not the reference rule)."""
+    return sorted({node.op.op_name for node in graph.nodes() if (type(node.op), target) in LOWERINGS
+                   and target != "reference"})

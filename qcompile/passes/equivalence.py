@@ -1,6 +1,8 @@
 """Numerical equivalence checking of graphs (design.md §5).
 
-Two graphs are run, jit against jit, on the same seeded inputs: a ragged batch that mixes a decode token, a prefill
+The reference (the unoptimized graph) runs with the reference lowering rules; every candidate runs with the
+target's rules (`target`, e.g. "cpu"), so each fast target rule is checked on the user's own graph at compile time,
+within the reassociating class. Two graphs are run, jit against jit, on the same seeded inputs: a ragged batch that mixes a decode token, a prefill
 continuation and a fresh prefill, over caches made non-empty by a warm-up step of the reference graph. Every output —
 the logits and every updated cache (KV pages, conv state, recurrent state) — is compared. The error of an output is
 max |candidate − reference| / max |reference|. A check fails when that exceeds the bound, when the candidate has a
@@ -18,6 +20,7 @@ import attrs
 import jax
 import numpy as np
 
+from qcompile.ir.abi import CacheConfig, WorkItem, empty_caches, graph_cache_types, pack_batch, token_bucket
 from qcompile.ir.graph import Graph
 from qcompile.ir.lowering import lower
 from qcompile.ir.printer import print_graph
@@ -31,15 +34,41 @@ def structural_hash(graph: Graph) -> str:
     return hashlib.sha256(print_graph(graph, "g").encode()).hexdigest()
 
 
-_RUNNERS: "weakref.WeakKeyDictionary[Graph, object]" = weakref.WeakKeyDictionary()
+_RUNNERS: "weakref.WeakKeyDictionary[Graph, dict]" = weakref.WeakKeyDictionary()
 
 
-def run_graph(graph: Graph, params: dict, caches: dict, batch: dict) -> dict[str, np.ndarray]:
-    """Outputs of one step of `graph` (jitted, not donating: the inputs are reused)."""
-    if graph not in _RUNNERS:
-        lowered = lower(graph)
-        _RUNNERS[graph] = jax.jit(lambda p, c, b: lowered(p, {**c, **b}))
-    return {k: np.asarray(v) for k, v in _RUNNERS[graph](params, caches, batch).items()}
+def run_graph(graph: Graph, params: dict, caches: dict, batch: dict, target: str = "reference") -> dict[str, np.ndarray]:
+    """Outputs of one step of `graph` lowered with `target`'s rules (jitted, not donating: the inputs are reused)."""
+    runners = _RUNNERS.setdefault(graph, {})
+    if target not in runners:
+        lowered = lower(graph, target)
+        runners[target] = jax.jit(lambda p, c, b: lowered(p, {**c, **b}))
+    return {k: np.asarray(v) for k, v in runners[target](params, caches, batch).items()}
+
+
+class _Sequences:
+    """Slots and pages for the checker's few sequences: sequence i owns slot i and pages [i·M, (i+1)·M)."""
+
+    def __init__(self, cache: CacheConfig, page_size: int):
+        self.cache, self.page_size = cache, page_size
+        self.pages_per_seq = cache.pages_per_seq(page_size)
+        self.lengths: list[int] = []
+
+    def add(self) -> int:
+        self.lengths.append(0)
+        return len(self.lengths) - 1
+
+    def pack(self, work: list[tuple[int, list[int]]], num_tokens: int, all_logits: bool = True) -> dict:
+        items = []
+        for seq, tokens in work:
+            start = self.lengths[seq]
+            used = -(-(start + len(tokens)) // self.page_size)
+            pages = tuple(range(seq * self.pages_per_seq, seq * self.pages_per_seq + used))
+            items.append(WorkItem(seq, pages, start, tuple(tokens)))
+            self.lengths[seq] += len(tokens)
+        rows = num_tokens if all_logits else self.cache.max_seqs
+        return pack_batch(items, num_tokens=num_tokens, rows=rows, max_seqs=self.cache.max_seqs,
+                          pages_per_seq=self.pages_per_seq, all_logits=all_logits)
 
 
 @attrs.frozen
@@ -84,56 +113,68 @@ def compare(reference: dict, candidate: dict, bound: float) -> CheckResult:
 
 
 class EquivalenceChecker:
-    """Holds the seeded check inputs for one reference graph and its parameters; compares candidates with it."""
+    """Holds the seeded check inputs for one reference graph and its parameters; compares candidates with it.
 
-    def __init__(self, reference: Graph, params: dict, seed: int = 0, page_size: int | None = None):
-        from qcompile.runtime.engine import CacheConfig, Engine
+    The reference runs with the reference rules; candidates run with `target`'s rules.
+    """
 
-        self.reference, self.params, self.seed = reference, params, seed
+    def __init__(self, reference: Graph, params: dict, seed: int = 0, target: str = "reference"):
+        self.reference, self.params, self.seed, self.target = reference, params, seed, target
         rng = np.random.default_rng(seed)
         vocab = int(reference.meta["vocab_size"])
-        engine = Engine(reference, params, CacheConfig(max_seqs=4, max_context=64, max_step_tokens=64))
-        bucket = engine.program.token_bucket(max(sum(CHECK_PROMPTS), sum(CHECK_WORK)))
-        caches = {k: np.asarray(v) for k, v in engine.caches.items()}
-        warm = [engine.add_sequence() for _ in CHECK_PROMPTS]
+        page_size = int(reference.meta["page_size"])
+        cache = CacheConfig(max_seqs=4, max_context=64, max_step_tokens=64)
+        seqs = _Sequences(cache, page_size)
+        bucket = token_bucket(max(sum(CHECK_PROMPTS), sum(CHECK_WORK)))
+        caches = empty_caches(graph_cache_types(reference), cache.sizes(page_size))
+        warm = [seqs.add() for _ in CHECK_PROMPTS]
         warm_work = [(s, rng.integers(3, vocab, n).tolist()) for s, n in zip(warm, CHECK_PROMPTS)]
         # The warm-up runs through the same (non-donating) executable as the checks, so it costs no extra compile.
-        out = run_graph(reference, params, caches, engine.pack(warm_work, bucket, bucket, all_logits=True))
+        out = run_graph(reference, params, caches, seqs.pack(warm_work, bucket))
         caches = {k: out[k] for k in caches}
-        for seq, tokens in warm_work:
-            seq.length += len(tokens)
-        fresh = engine.add_sequence()
+        fresh = seqs.add()
         work = [(s, rng.integers(3, vocab, n).tolist()) for s, n in zip([*warm, fresh], CHECK_WORK)]
-        self.batch = engine.pack(work, bucket, bucket, all_logits=True)
+        self.batch = seqs.pack(work, bucket)
         self.caches = caches
-        self._outputs: dict[str, dict] = {}
-        self.reference_outputs = self.outputs(reference)
+        self._outputs: dict[tuple[str, str], dict] = {}
+        self.reference_outputs = self.outputs(reference, "reference")
 
-    def outputs(self, graph: Graph) -> dict:
-        key = structural_hash(graph)
+    def outputs(self, graph: Graph, target: str | None = None) -> dict:
+        target = self.target if target is None else target
+        key = (structural_hash(graph), target)
         if key not in self._outputs:
-            self._outputs[key] = run_graph(graph, self.params, self.caches, self.batch)
+            self._outputs[key] = run_graph(graph, self.params, self.caches, self.batch, target)
         return self._outputs[key]
 
     def check(self, candidate: Graph, bound: float, against: Graph | None = None) -> CheckResult:
-        """Compare `candidate` with `against` (default: the unoptimized reference) on the check inputs."""
+        """Compare `candidate` (target rules) with `against` (target rules; default: the unoptimized reference with
+        the reference rules) on the check inputs."""
         base = self.reference_outputs if against is None else self.outputs(against)
         return compare(base, self.outputs(candidate), bound)
 
     def drift(self, candidate: Graph, steps: int, against: Graph | None = None) -> float:
         """Max relative logit error over `steps` greedy decode steps, teacher-forced with the reference's tokens."""
-        from qcompile.runtime.engine import CacheConfig, Engine
-
         base = against or self.reference
         rng = np.random.default_rng(self.seed + 1)
         prompt = rng.integers(3, int(base.meta["vocab_size"]), 8).tolist()
-        cfg = CacheConfig(max_seqs=1, max_context=8 + steps + 1)
-        engines = [Engine(g, self.params, cfg) for g in (base, candidate)]
-        seqs = [e.add_sequence() for e in engines]
-        outs = [e.step([(s, prompt)])[0] for e, s in zip(engines, seqs)]
-        worst = 0.0
-        for _ in range(steps):
-            worst = max(worst, float(np.abs(outs[1] - outs[0]).max() / max(np.abs(outs[0]).max(), 1e-30)))
-            token = int(np.argmax(outs[0]))
-            outs = [e.step([(s, [token])])[0] for e, s in zip(engines, seqs)]
+        page_size = int(base.meta["page_size"])
+        cache = CacheConfig(max_seqs=1, max_context=len(prompt) + steps + 1)
+        runs = []
+        for graph, target in ((base, "reference" if against is None else self.target), (candidate, self.target)):
+            seqs = _Sequences(cache, page_size)
+            seqs.add()
+            caches = empty_caches(graph_cache_types(graph), cache.sizes(page_size))
+            runs.append([graph, target, seqs, caches])
+        worst, token = 0.0, None
+        for step in range(steps + 1):
+            tokens = prompt if step == 0 else [token]
+            logits = []
+            for run in runs:
+                graph, target, seqs, caches = run
+                batch = seqs.pack([(0, tokens)], token_bucket(len(tokens)), all_logits=False)
+                out = run_graph(graph, self.params, caches, batch, target)
+                run[3] = {k: out[k] for k in caches}
+                logits.append(out["logits"][0])
+            worst = max(worst, float(np.abs(logits[1] - logits[0]).max() / max(np.abs(logits[0]).max(), 1e-30)))
+            token = int(np.argmax(logits[0]))
         return worst

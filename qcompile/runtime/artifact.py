@@ -1,6 +1,6 @@
 """Compiled artifacts: a directory that `qcompile run` serves from alone, with no checkpoint and no recompilation.
 
-What: `write_artifact` exports the step graph with `jax.export` once per shape bucket, writes the weights in the
+What: `write_artifact` (qcompile/compiler/export.py) exports the step graph with `jax.export` once per shape bucket, writes the weights in the
 layout the (optimized) graph uses, and records everything needed to run and to audit the result in
 `manifest.json`. `load_artifact` verifies the directory and returns an `ArtifactModel` whose `engine()` is a normal
 `Engine` backed by the exported executables (`ExportedProgram`, a step program like `GraphProgram`).
@@ -14,18 +14,20 @@ Layout of OUT/:
     manifest.json                    written last, atomically; the artifact exists once this file does
     weights.safetensors              every graph parameter under its graph name, in the graph's dtype and layout
     graph.qir                        the step graph in IR text form (for humans and debugging; not needed to run)
-    exec/step_T{T}_R{R}.jaxexport    jax.export serialization of fn(params, caches, batch) for T tokens, R rows
+    exec/step_T{T}_R{R}.jaxexport    jax.export serialization of the step (qcompile/ir/abi.py) for T tokens, R rows
 
 Shape buckets are fixed at compile time from the CacheConfig: B = max_seqs sequence slots, M = pages per sequence,
 P = pool pages, S = B state slots; T runs over the powers of two 1 .. max(max_step_tokens, max_seqs) (rounded up to
 a power of two: chunked prefill never packs more than max_step_tokens, a decode step packs one token per sequence).
-Each T is exported with R = B logit rows (last token of each sequence: decode and prefill) and R = T (every token's
-logits: `--save-logits` / prompt logits); when T = B the two coincide and are exported once.
+Each T is exported with R = B rows (last token of each sequence: decode and prefill; returns the greedy next_tokens
+and the caches, no logits) and R = T (every token's logits: `--save-logits` / prompt logits); when T = B the two
+coincide and are exported once, with logits. The executables are lowered with the target's rules (manifest
+`lowering`).
 
 manifest.json keys: format_version, qcompile_version, jax_version, jaxlib_version, target (cpu | tpu | gpu),
 platform (the jax.export platform: cpu | tpu | cuda), mesh (null: single device), config (the model config),
 page_size, cache (max_seqs, max_context, num_pages, max_step_tokens and the bound sizes B/M/P/S), cache_types
-(name -> IR type text), buckets ([{tokens, rows, file}]), files ({relative path: {sha256, bytes}} for every file but
+(name -> IR type text), buckets ([{tokens, rows, logits, file}]), lowering (the rule table the executables use), files ({relative path: {sha256, bytes}} for every file but
 the manifest), plus the caller's `extra` keys (the CLI adds pipeline, passes, equivalence).
 
 What `load_artifact` verifies, refusing with a one-line CheckpointError (exit 65) naming the file:
@@ -46,9 +48,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import sys
-import time
 from pathlib import Path, PurePosixPath
 
 import attrs
@@ -56,20 +55,16 @@ import jax
 import jax.numpy as jnp
 import jaxlib
 import numpy as np
-from tqdm import tqdm
 
 import qcompile
 from qcompile.errors import CheckpointError, UsageError, one_line
-from qcompile.frontend.safetensors_io import SafetensorsFile, write_safetensors
-from qcompile.ir.graph import Graph
-from qcompile.ir.lowering import lower
-from qcompile.ir.ops.core import Input
-from qcompile.ir.printer import print_graph
-from qcompile.ir.types import TensorType, np_dtype, parse_type
-from qcompile.runtime.engine import BATCH_INPUTS, CacheConfig, Engine
+from qcompile.frontend.safetensors_io import SafetensorsFile
+from qcompile.ir.abi import CacheConfig, batch_specs, cache_specs
+from qcompile.ir.types import TensorType, parse_type
+from qcompile.runtime.engine import Engine
 
-FORMAT_VERSION = 1
-READABLE_FORMAT_VERSIONS = (1,)
+FORMAT_VERSION = 2  # 2: buckets carry `logits`; R = B buckets return token ids only
+READABLE_FORMAT_VERSIONS = (2,)
 MANIFEST = "manifest.json"
 WEIGHTS = "weights.safetensors"
 GRAPH_TEXT = "graph.qir"
@@ -84,58 +79,8 @@ _CHUNK = 1 << 20
 # -- shapes --------------------------------------------------------------------------------------------------------
 
 
-def bucket_sizes(cache: CacheConfig, page_size: int) -> dict[str, int]:
-    """The bound symbolic dims of the caches (the same as Engine.sizes)."""
-    return {"B": cache.max_seqs, "M": cache.pages_per_seq(page_size), "P": cache.pool_pages(page_size),
-            "S": cache.max_seqs}
-
-
-def _pow2_ceil(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
-def bucket_shapes(cache: CacheConfig) -> list[tuple[int, int]]:
-    """(T tokens, R logit rows) of every exported bucket, in export order."""
-    largest = _pow2_ceil(max(cache.max_step_tokens, cache.max_seqs, 1))
-    shapes: list[tuple[int, int]] = []
-    t = 1
-    while t <= largest:
-        for rows in (cache.max_seqs, t):
-            if (t, rows) not in shapes:
-                shapes.append((t, rows))
-        t *= 2
-    return shapes
-
-
 def bucket_file(tokens: int, rows: int) -> str:
     return f"{EXEC_DIR}/step_T{tokens}_R{rows}.jaxexport"
-
-
-def batch_specs(tokens: int, rows: int, sizes: dict[str, int]) -> dict:
-    """ShapeDtypeStructs of the batch inputs, laid out exactly as Engine.pack builds them."""
-    i32 = np.int32
-    shapes = {"token_ids": (tokens,), "positions": (tokens,), "query_start": (sizes["B"] + 1,),
-              "page_table": (sizes["B"], sizes["M"]), "state_slots": (sizes["B"],), "logits_indices": (rows,)}
-    return {name: jax.ShapeDtypeStruct(shapes[name], i32) for name in BATCH_INPUTS}
-
-
-def cache_specs(cache_types: dict[str, TensorType], sizes: dict[str, int]) -> dict:
-    return {name: jax.ShapeDtypeStruct(t.bind(sizes), np_dtype(t.dtype)) for name, t in cache_types.items()}
-
-
-def graph_cache_types(graph: Graph) -> dict[str, TensorType]:
-    caches = graph.meta["caches"]
-    return {node.op.name: node.op.type for node in graph.find(Input) if node.op.name in caches}
-
-
-def step_function(graph: Graph):
-    """fn(params, caches, batch) -> outputs: the same function GraphProgram jits."""
-    lowered = lower(graph)
-
-    def step(params, caches, batch):
-        return lowered(params, {**caches, **batch})
-
-    return step
 
 
 # -- files and hashes ----------------------------------------------------------------------------------------------
@@ -149,57 +94,17 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _write_bytes_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 def is_artifact(path) -> bool:
-    """A directory holding a manifest.json."""
+    """A directory holding a manifest.json, or one an artifact write left unfinished (load_artifact refuses it)."""
     p = Path(path)
-    return p.is_dir() and (p / MANIFEST).is_file()
+    return p.is_dir() and ((p / MANIFEST).is_file() or (p / WRITING_MARKER).exists())
 
 
-def _prepare_out_dir(out: Path) -> None:
-    """Make `out` ready to receive an artifact without ever clobbering a directory that is not one of ours."""
-    if out.exists() and not out.is_dir():
-        raise UsageError(f"{out}: exists and is not a directory; choose another -o")
-    if out.is_dir():
-        entries = list(out.iterdir())
-        ours = (out / MANIFEST).is_file() or (out / WRITING_MARKER).exists()
-        if entries and not ours:
-            raise UsageError(f"{out}: directory is not empty and is not a qcompile artifact (no {MANIFEST}); "
-                             "refusing to overwrite it — choose another -o or empty it")
-    out.mkdir(parents=True, exist_ok=True)
-    (out / WRITING_MARKER).write_text("qcompile is writing an artifact here\n")
-    # Invalidate the old artifact first (no manifest → nothing loads it), then remove what it listed.
-    old = out / MANIFEST
-    listed: list[str] = []
-    if old.is_file():
-        try:
-            listed = list(json.loads(old.read_text()).get("files", {}))
-        except (ValueError, AttributeError):
-            listed = []
-        old.unlink()
-    for rel in [*listed, WEIGHTS, GRAPH_TEXT]:
-        target = _inside(out, rel)
-        if target is not None and target.is_file():
-            target.unlink()
-    exec_dir = out / EXEC_DIR
-    if exec_dir.is_dir():
-        for stale in exec_dir.glob("*.jaxexport"):
-            stale.unlink()
 
 
-def _inside(root: Path, rel: str) -> Path | None:
+def inside(root: Path, rel: str) -> Path | None:
     """root/rel if rel is a plain relative path that stays inside root, else None."""
     if not isinstance(rel, str) or not rel:
         return None
@@ -207,75 +112,6 @@ def _inside(root: Path, rel: str) -> Path | None:
     if PurePosixPath(rel).is_absolute() or any(p in ("..", "") for p in parts) or "\\" in rel:
         return None
     return root.joinpath(*parts)
-
-
-# -- writing -------------------------------------------------------------------------------------------------------
-
-
-def write_artifact(out_dir, graph: Graph, params: dict, *, config_json: dict, cache: CacheConfig,
-                   target: str = "cpu", extra: dict | None = None, progress: bool | None = None) -> dict:
-    """Export `graph` for every shape bucket of `cache`, write weights + manifest to `out_dir`; return the manifest."""
-    if target not in TARGETS:
-        raise UsageError(f"unknown target {target!r}; choose one of {', '.join(TARGETS)}")
-    platform = TARGETS[target]
-    out = Path(out_dir)
-    page_size = int(graph.meta["page_size"])
-    sizes = bucket_sizes(cache, page_size)
-    cache_types = graph_cache_types(graph)
-    shapes = bucket_shapes(cache)
-    reserved = {"format_version", "qcompile_version", "jax_version", "jaxlib_version", "target", "platform", "mesh",
-                "config", "page_size", "cache", "cache_types", "buckets", "files", "export_seconds"}
-    clash = sorted(reserved & set(extra or {}))
-    if clash:
-        raise ValueError(f"extra manifest keys clash with reserved ones: {clash}")
-
-    _prepare_out_dir(out)
-    (out / EXEC_DIR).mkdir(exist_ok=True)
-
-    param_specs = {name: jax.ShapeDtypeStruct(np.shape(value), value.dtype) for name, value in params.items()}
-    caches = cache_specs(cache_types, sizes)
-    jitted = jax.jit(step_function(graph))
-    show = sys.stderr.isatty() if progress is None else progress
-    buckets, started = [], time.perf_counter()
-    for tokens, rows in tqdm(shapes, desc=f"exporting for {platform}", unit="bucket", disable=not show,
-                             file=sys.stderr):
-        exported = jax.export.export(jitted, platforms=[platform])(param_specs, caches,
-                                                                    batch_specs(tokens, rows, sizes))
-        rel = bucket_file(tokens, rows)
-        _write_bytes_atomic(out / rel, bytes(exported.serialize()))
-        buckets.append({"tokens": tokens, "rows": rows, "file": rel})
-    export_seconds = time.perf_counter() - started
-
-    write_safetensors(out / WEIGHTS, {name: np.asarray(value) for name, value in params.items()},
-                      metadata={"format": "qcompile-artifact"})
-    (out / GRAPH_TEXT).write_text(print_graph(graph))
-
-    files = {}
-    for rel in [WEIGHTS, GRAPH_TEXT, *(b["file"] for b in buckets)]:
-        path = out / rel
-        files[rel] = {"sha256": sha256_file(path), "bytes": path.stat().st_size}
-    manifest = {
-        "format_version": FORMAT_VERSION,
-        "qcompile_version": qcompile.__version__,
-        "jax_version": jax.__version__,
-        "jaxlib_version": jaxlib.__version__,
-        "target": target,
-        "platform": platform,
-        "mesh": None,
-        "config": config_json,
-        "page_size": page_size,
-        "cache": {"max_seqs": cache.max_seqs, "max_context": cache.max_context, "num_pages": cache.num_pages,
-                  "max_step_tokens": cache.max_step_tokens, "sizes": sizes},
-        "cache_types": {name: str(t) for name, t in cache_types.items()},
-        "buckets": buckets,
-        "files": files,
-        "export_seconds": round(export_seconds, 3),
-        **(extra or {}),
-    }
-    text = json.dumps(manifest, indent=2) + "\n"
-    _write_bytes_atomic(out / MANIFEST, text.encode())
-    (out / WRITING_MARKER).unlink(missing_ok=True)
-    return json.loads(text)  # exactly what load_artifact will see (tuples become lists)
 
 
 # -- loading -------------------------------------------------------------------------------------------------------
@@ -323,7 +159,7 @@ def _need(manifest: dict, path: Path, key: str, kind):
 def _check_files(root: Path, files: dict, verify_hashes: bool) -> None:
     manifest_path = root / MANIFEST
     for rel, entry in files.items():
-        path = _inside(root, rel)
+        path = inside(root, rel)
         if path is None or not isinstance(entry, dict):
             raise _refuse(manifest_path, f"bad file entry {rel!r}")
         if not path.is_file():
@@ -379,10 +215,11 @@ class ExportedProgram:
     """A step program backed by deserialized jax.export executables, one per (tokens, rows) bucket.
 
     Each executable is wrapped in a jit that donates the caches (as GraphProgram does) and compiled by XLA on its
-    first call.
+    first call. Buckets with R = T return logits; the others return next_tokens and the caches only.
     """
 
-    def __init__(self, page_size: int, cache_types: dict[str, TensorType], exported: dict[tuple[int, int], object]):
+    def __init__(self, page_size: int, cache_types: dict[str, TensorType],
+                 exported: dict[tuple[int, int], tuple[object, bool]]):
         self.page_size = page_size
         self.cache_types = cache_types
         self._exported = exported
@@ -395,23 +232,27 @@ class ExportedProgram:
 
     def token_bucket(self, n: int) -> int:
         for tokens in self._tokens:
-            if tokens >= n:
+            if tokens >= max(n, 1):
                 return tokens
         raise UsageError(f"a step of {n} tokens exceeds the largest exported bucket ({self._tokens[-1]} tokens); "
                          "recompile the artifact with a larger --max-step-tokens")
 
-    def __call__(self, params, caches, batch):
+    def __call__(self, params, caches, batch, with_logits: bool = True):
         key = (int(np.shape(batch["token_ids"])[0]), int(np.shape(batch["logits_indices"])[0]))
+        if key not in self._exported:
+            have = ", ".join(f"T{t}/R{r}" for t, r in self.buckets)
+            raise UsageError(f"no exported executable for {key[0]} tokens and {key[1]} logit rows "
+                             f"(the artifact has {have})")
+        exported, has_logits = self._exported[key]
+        if with_logits and not has_logits:
+            raise UsageError(f"the artifact's T{key[0]}/R{key[1]} executable returns token ids only; logits are "
+                             "exported for all-token (prompt logits) steps")
         fn = self._callables.get(key)
         if fn is None:
-            if key not in self._exported:
-                have = ", ".join(f"T{t}/R{r}" for t, r in self.buckets)
-                raise UsageError(f"no exported executable for {key[0]} tokens and {key[1]} logit rows "
-                                 f"(the artifact has {have})")
             # Single device: pin in/out shardings so that committed outputs fed back as inputs (the caches) hit
             # the same compiled executable instead of compiling the bucket a second time.
             device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-            fn = self._callables[key] = jax.jit(self._exported[key].call, donate_argnums=(1,),
+            fn = self._callables[key] = jax.jit(exported.call, donate_argnums=(1,),
                                                 in_shardings=device, out_shardings=device)
         return fn(params, caches, batch)
 
@@ -429,9 +270,7 @@ class ArtifactModel:
 
     @property
     def cache_config(self) -> CacheConfig:
-        c = self.manifest["cache"]
-        return CacheConfig(max_seqs=c["max_seqs"], max_context=c["max_context"], num_pages=c["num_pages"],
-                           max_step_tokens=c["max_step_tokens"])
+        return CacheConfig.from_json(self.manifest["cache"])
 
     def engine(self) -> Engine:
         return Engine(self.program, self.params, self.cache_config)
@@ -457,12 +296,11 @@ def load_artifact(path, verify_hashes: bool = True) -> ArtifactModel:
         cache_types = {name: parse_type(text) for name, text in _need(manifest, manifest_path, "cache_types",
                                                                          dict).items()}
         sizes = {k: int(cache_json["sizes"][k]) for k in ("B", "M", "P", "S")}
-        keys = [(int(b["tokens"]), int(b["rows"]), str(b["file"])) for b in buckets]
-        CacheConfig(max_seqs=cache_json["max_seqs"], max_context=cache_json["max_context"],
-                    num_pages=cache_json["num_pages"], max_step_tokens=cache_json["max_step_tokens"])
-    except (KeyError, TypeError, ValueError) as err:
+        keys = [(int(b["tokens"]), int(b["rows"]), str(b["file"]), bool(b["logits"])) for b in buckets]
+        CacheConfig.from_json(cache_json)
+    except (KeyError, TypeError, ValueError, UsageError) as err:
         raise _refuse(manifest_path, f"malformed cache or bucket description ({err})") from None
-    for rel in [WEIGHTS, *(f for _, _, f in keys)]:
+    for rel in [WEIGHTS, *(f for _, _, f, _ in keys)]:
         if rel not in files:
             raise _refuse(manifest_path, f"{rel} is not listed under 'files' (no hash to check it against)")
     if not keys:
@@ -473,11 +311,11 @@ def load_artifact(path, verify_hashes: bool = True) -> ArtifactModel:
     param_specs = {name: jax.ShapeDtypeStruct(info.shape, info.np_dtype) for name, info in weights.tensors.items()}
     caches = cache_specs(cache_types, sizes)
     exported = {}
-    for tokens, rows, rel in keys:
+    for tokens, rows, rel, with_logits in keys:
         file = root / rel
         exp = _deserialize(file, manifest)
         _check_exported(file, exp, manifest, (param_specs, caches, batch_specs(tokens, rows, sizes)))
-        exported[(tokens, rows)] = exp
+        exported[(tokens, rows)] = (exp, with_logits)
     params = {name: jnp.asarray(weights.read(name)) for name in weights.tensors}
     program = ExportedProgram(page_size, cache_types, exported)
     return ArtifactModel(root, manifest, params, program)

@@ -267,3 +267,21 @@ def _cast_type(op_, x):
 @lowering(Cast)
 def _cast(op_, x):
     return x.astype(np_dtype(op_.dtype))
+
+
+@op("greedy")
+@attrs.frozen
+class Greedy:
+    """greedy(logits[R,V]) -> i32[R]: the index of each row's largest logit (lowest index on ties), on the device,
+    so a decode step hands the host R token ids instead of R×V floats."""
+
+
+@type_rule(Greedy)
+def _greedy_type(op_, logits):
+    expect(logits.rank == 2, f"greedy wants logits[R,V], got {logits}")
+    return TensorType("i32", (logits.shape[0],))
+
+
+@lowering(Greedy)
+def _greedy(op_, logits):
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)

@@ -17,7 +17,7 @@ from qcompile.ir.parser import parse_graph
 from qcompile.passes.equivalence import EquivalenceChecker
 from qcompile.passes.manager import run_pipeline
 from qcompile.passes.registry import parse_spec
-from qcompile.runtime.model import load_params
+from qcompile.ir.weights import load_params
 
 
 def reproduce(directory: Path) -> tuple[bool, str]:

@@ -20,13 +20,16 @@ from tqdm import tqdm
 from qcompile import __version__
 from qcompile.errors import UsageError
 from qcompile.frontend.checkpoint import Checkpoint
-from qcompile.ir.importer import select_layers
+from qcompile.compiler.summary import summarize
+from qcompile.ir.abi import CacheConfig
+from qcompile.compiler.export import TARGET_RULES
+from qcompile.ir.importer import build_graph, select_layers
+from qcompile.ir.lowering import target_rules_used
+from qcompile.ir.weights import load_params
 from qcompile.passes.base import PassContext
 from qcompile.passes.equivalence import EquivalenceChecker
 from qcompile.passes.manager import Instruments, Reproducer, run_pipeline
 from qcompile.passes.registry import parse_spec, spec_of
-from qcompile.runtime.engine import CacheConfig
-from qcompile.runtime.model import build_graph, load_params, summarize
 
 TARGETS = ("cpu", "gpu", "tpu")
 
@@ -76,16 +79,21 @@ def compile_checkpoint(opts: CompileOptions, emit: Callable[[str], None] = print
     ctx = PassContext(target=opts.target, num_devices=1)
     instruments = Instruments(opts.print_ir_after, opts.print_ir_after_change, opts.dump_dir,
                               emit=lambda text: print(text, file=sys.stderr))
-    layers = _check_slice(ckpt, opts, warn) if selected else None
+    rules = TARGET_RULES[opts.target]
+    # Checked when passes are selected, or when the target lowers any op of this graph with a rule of its own.
+    lowering_checked = bool(target_rules_used(graph, rules))
+    checked = opts.verify != "none" and (bool(selected) or lowering_checked)
+    layers = _check_slice(ckpt, opts, warn) if checked else None
     check_graph = graph if layers is None else build_graph(ckpt, opts.dtype, opts.page_size, layers=layers)
     checker = None
     params = None
-    if opts.verify != "none" and selected:
+    if checked:
         params = load_params(ckpt, check_graph)
         if sys.stderr.isatty():
             print("qcompile: preparing numerics check inputs (warm-up step of the unoptimized graph)...",
                   file=sys.stderr, flush=True)
-        checker = EquivalenceChecker(check_graph, params, seed=opts.seed)
+        checker = EquivalenceChecker(check_graph, params, seed=opts.seed,
+                                     target=rules if lowering_checked else "reference")
     settings = {"dtype": graph.meta["dtype"], "page_size": opts.page_size, "verify_layers": layers,
                 "meta": check_graph.meta}
     reproducer = Reproducer(opts.repro_dir or Path("qcompile-repro"), str(opts.checkpoint), settings)
@@ -100,14 +108,16 @@ def compile_checkpoint(opts: CompileOptions, emit: Callable[[str], None] = print
         emit(record.line())
 
     with bar:
-        result = run_pipeline(check_graph, selected, ctx, verify_mode=opts.verify if selected else "none",
+        result = run_pipeline(check_graph, selected, ctx, verify_mode=opts.verify if checked else "none",
                               checker=checker, instruments=instruments, reproducer=reproducer, on_record=on_record)
     final_graph = result.graph
     if layers is not None:  # the slice was checked; now rewrite the whole graph with structural verification
         final_graph = run_pipeline(graph, selected, ctx, verify_mode="none").graph
     if result.final_check is not None:
         fc = result.final_check
-        emit(f"  {'optimized vs unoptimized':<26} {'ok' if fc.ok else 'FAILED':<9} max error {fc.max_error:.2e} "
+        what = (f"{'optimized' if selected else 'unoptimized'} ({rules} rules) vs reference" if lowering_checked
+                else "optimized vs unoptimized")
+        emit(f"  {what:<26} {'ok' if fc.ok else 'FAILED':<9} max error {fc.max_error:.2e} "
              f"(bound {fc.bound:.0e})" + (f" on layers {list(layers)}" if layers is not None else ""))
     report = {
         "qcompile_version": __version__, "checkpoint": str(opts.checkpoint), "target": opts.target, "mesh": None,
@@ -155,7 +165,7 @@ def _check_slice(ckpt: Checkpoint, opts: CompileOptions, warn) -> tuple[int, ...
 
 
 def _write_output(opts: CompileOptions, ckpt: Checkpoint, graph, params, report: dict, emit) -> None:
-    from qcompile.runtime.artifact import write_artifact
+    from qcompile.compiler.export import write_artifact
 
     if params is None:
         params = load_params(ckpt, graph)

@@ -1,0 +1,160 @@
+"""The step ABI: what one call of a step program takes and returns, defined once for every caller.
+
+Why here, below the passes: the runtime engine, the artifact (export and load) and the equivalence checker all build
+step inputs; if each wrote its own packing they would drift apart. Everything in this file is pure — slots and pages
+are passed in, nothing is allocated — so the checker can pack a batch without a runtime.
+
+A step program is called as `fn(params, caches, batch)`:
+
+    batch      token_ids i32[T], positions i32[T], query_start i32[B+1], page_table i32[B,M], state_slots i32[B],
+               logits_indices i32[R]  (BATCH_INPUTS; T and R are the bucket, B/M fixed by the cache config)
+    caches     the graph's cache inputs (KV pages [P,...], GDN state slots [S,...]), donated and returned updated
+    returns    next_tokens i32[R] (greedy, computed on the device), every cache, and — in buckets that ask for
+               them — logits f32[R,V]
+
+Sizes: B = max_seqs sequence slots, M = pages per sequence (max_context / page_size, rounded up), P = pool pages,
+S = B state slots. Token buckets are powers of two up to max(max_step_tokens, max_seqs).
+"""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+import jax
+import numpy as np
+
+from qcompile.errors import UsageError
+from qcompile.ir.types import TensorType, np_dtype
+
+BATCH_INPUTS = ("token_ids", "positions", "query_start", "page_table", "state_slots", "logits_indices")
+LOGITS, NEXT_TOKENS = "logits", "next_tokens"
+
+
+def _positive(name: str, flag: str):
+    def check(instance, attribute, value):
+        if value is None and attribute.name == "num_pages":
+            return
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise UsageError(f"{flag} must be a positive integer, got {value!r}")
+
+    return check
+
+
+@attrs.frozen
+class CacheConfig:
+    """Static sizes of the caches and of the largest step; every size is validated (a usage error, exit 2)."""
+
+    max_seqs: int = attrs.field(default=4, validator=_positive("max_seqs", "--max-seqs"))
+    max_context: int = attrs.field(default=512, validator=_positive("max_context", "--max-context"))
+    num_pages: int | None = attrs.field(default=None, validator=_positive("num_pages", "--num-pages"))
+    max_step_tokens: int = attrs.field(default=256, validator=_positive("max_step_tokens", "--max-step-tokens"))
+
+    def pages_per_seq(self, page_size: int) -> int:
+        return math.ceil(self.max_context / page_size)
+
+    def pool_pages(self, page_size: int) -> int:
+        return self.num_pages or self.max_seqs * self.pages_per_seq(page_size)
+
+    def sizes(self, page_size: int) -> dict[str, int]:
+        """The bound symbolic dims of the caches and batch metadata."""
+        return {"B": self.max_seqs, "M": self.pages_per_seq(page_size), "P": self.pool_pages(page_size),
+                "S": self.max_seqs}
+
+    def to_json(self, page_size: int) -> dict:
+        return {"max_seqs": self.max_seqs, "max_context": self.max_context, "num_pages": self.num_pages,
+                "max_step_tokens": self.max_step_tokens, "sizes": self.sizes(page_size)}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "CacheConfig":
+        return cls(max_seqs=data["max_seqs"], max_context=data["max_context"], num_pages=data["num_pages"],
+                   max_step_tokens=data["max_step_tokens"])
+
+
+def token_bucket(n: int) -> int:
+    """The power-of-two token bucket a step of `n` tokens is padded to."""
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def bucket_shapes(cache: CacheConfig) -> list[tuple[int, int]]:
+    """(T tokens, R rows) of every bucket an artifact exports: R = B (last token of each sequence) and R = T."""
+    largest = token_bucket(max(cache.max_step_tokens, cache.max_seqs, 1))
+    shapes: list[tuple[int, int]] = []
+    t = 1
+    while t <= largest:
+        for rows in (cache.max_seqs, t):
+            if (t, rows) not in shapes:
+                shapes.append((t, rows))
+        t *= 2
+    return shapes
+
+
+def graph_cache_types(graph) -> dict[str, TensorType]:
+    """Cache name -> type (symbolic dims) of a step graph's cache inputs."""
+    from qcompile.ir.ops.core import Input
+
+    caches = graph.meta["caches"]
+    return {node.op.name: node.op.type for node in graph.find(Input) if node.op.name in caches}
+
+
+def batch_specs(tokens: int, rows: int, sizes: dict[str, int]) -> dict:
+    """ShapeDtypeStructs of the batch inputs, laid out exactly as `pack_batch` builds them."""
+    shapes = {"token_ids": (tokens,), "positions": (tokens,), "query_start": (sizes["B"] + 1,),
+              "page_table": (sizes["B"], sizes["M"]), "state_slots": (sizes["B"],), "logits_indices": (rows,)}
+    return {name: jax.ShapeDtypeStruct(shapes[name], np.int32) for name in BATCH_INPUTS}
+
+
+def cache_specs(cache_types: dict[str, TensorType], sizes: dict[str, int]) -> dict:
+    return {name: jax.ShapeDtypeStruct(t.bind(sizes), np_dtype(t.dtype)) for name, t in cache_types.items()}
+
+
+def empty_caches(cache_types: dict[str, TensorType], sizes: dict[str, int]) -> dict[str, np.ndarray]:
+    return {name: np.zeros(t.bind(sizes), np_dtype(t.dtype)) for name, t in cache_types.items()}
+
+
+@attrs.frozen
+class WorkItem:
+    """One sequence's part of a step: its state slot, its KV pages (already covering the new tokens), how many
+    tokens it has in the cache before this step, and the new token ids."""
+
+    slot: int
+    pages: tuple[int, ...]
+    start: int
+    tokens: tuple[int, ...]
+
+
+def pack_batch(work: list[WorkItem], *, num_tokens: int, rows: int, max_seqs: int, pages_per_seq: int,
+               all_logits: bool) -> dict[str, np.ndarray]:
+    """The batch inputs of one step, padded to `num_tokens` token slots and `rows` logit rows.
+
+    Rows: with `all_logits`, row r is token slot r (rows == num_tokens); otherwise row b is the last new token of
+    work item b. Unused sequence rows get the out-of-range state slot `max_seqs`, which every kernel drops.
+    """
+    if len(work) > max_seqs:
+        raise UsageError(f"{len(work)} sequences in one step; at most {max_seqs}")
+    total = sum(len(item.tokens) for item in work)
+    if total > num_tokens:
+        raise ValueError(f"{total} tokens do not fit a {num_tokens}-token bucket")
+    token_ids = np.zeros(num_tokens, np.int32)
+    positions = np.zeros(num_tokens, np.int32)
+    query_start = np.zeros(max_seqs + 1, np.int32)
+    page_table = np.zeros((max_seqs, pages_per_seq), np.int32)
+    state_slots = np.full(max_seqs, max_seqs, np.int32)
+    logits_indices = np.zeros(rows, np.int32)
+    start = 0
+    for index, item in enumerate(work):
+        n = len(item.tokens)
+        if len(item.pages) > pages_per_seq:
+            raise ValueError(f"sequence in slot {item.slot} holds {len(item.pages)} pages; at most {pages_per_seq}")
+        token_ids[start:start + n] = item.tokens
+        positions[start:start + n] = np.arange(item.start, item.start + n)
+        page_table[index, :len(item.pages)] = item.pages
+        state_slots[index] = item.slot
+        if not all_logits:
+            logits_indices[index] = start + n - 1
+        start += n
+        query_start[index + 1:] = start
+    if all_logits:
+        logits_indices[:] = np.arange(rows)
+    return {"token_ids": token_ids, "positions": positions, "query_start": query_start,
+            "page_table": page_table, "state_slots": state_slots, "logits_indices": logits_indices}
