@@ -16,7 +16,19 @@ from qcompile.ir.registry import LOWERINGS, lowering_rule
 
 
 class LoweringError(QCompileError):
-    """An op could not be lowered (operands that do not fit its rule); names the op in the graph's text form."""
+    """An op could not be lowered (operands that do not fit its rule); names the op in the graph's text form.
+
+    Exit code 4, like a verification failure: the graph is malformed for that op's rule (a pass, the importer or a
+    hand-written graph built it wrong), not the user's input. The message says what to do about it.
+    """
+
+    exit_code = 4
+    HINT = ("the graph does not fit this op's lowering rule; compile with --verify each to find the pass that "
+            "produced it, and report this op (a qcompile bug)")
+
+    def __str__(self) -> str:
+        text = super().__str__()
+        return text if self.HINT in text else f"{text} — {self.HINT}"
 
 
 #: jax.default_backend() -> lowering target of this host.
@@ -30,12 +42,15 @@ def host_target() -> str:
     return _HOST_TARGETS.get(jax.default_backend(), "reference")
 
 
-def lower(graph: Graph, target: str = "reference") -> Callable[[dict, dict], dict]:
-    """`fn(params, inputs) -> outputs` with each op lowered by `target`'s rule (the reference rule where it has none)."""
+def lower(graph: Graph, target: str = "reference", taps: dict[str, Value] | None = None) -> Callable[[dict, dict], dict]:
+    """`fn(params, inputs) -> outputs` with each op lowered by `target`'s rule (the reference rule where it has none).
+
+    `taps` names extra values to return beside the graph's outputs (e.g. the router's choices, for the roofline).
+    """
     nodes = list(graph.nodes())
     rules = {type(node.op): lowering_rule(type(node.op), target) for node in nodes
              if not isinstance(node.op, (Input, Param))}
-    outputs = dict(graph.outputs)
+    outputs = {**graph.outputs, **(taps or {})}
 
     def step(params: dict, inputs: dict) -> dict:
         env: dict[Value, object] = {}

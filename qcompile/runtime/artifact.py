@@ -275,6 +275,15 @@ class ArtifactModel:
     def engine(self) -> Engine:
         return Engine(self.program, self.params, self.cache_config)
 
+    def graph(self):
+        """The step graph the executables were exported from, parsed from graph.qir (for costs and probes)."""
+        from qcompile.ir.parser import parse_graph
+
+        meta = {"page_size": self.manifest["page_size"], "caches": list(self.program.cache_types),
+                "vocab_size": int(self.config_json["vocab_size"]),
+                "dtype": self.manifest.get("compute_dtype", "f32")}
+        return parse_graph((self.path / GRAPH_TEXT).read_text(), str(self.path / GRAPH_TEXT), meta=meta)
+
 
 def load_artifact(path, verify_hashes: bool = True) -> ArtifactModel:
     """Verify an artifact directory (see the module docstring) and load its weights and executables."""

@@ -87,6 +87,7 @@ class Engine:
         self.caches = {name: jnp.zeros(t.bind(self.sizes), np_dtype(t.dtype)) for name, t in program.cache_types.items()}
         self.free_slots = list(range(cache.max_seqs))
         self.free_pages = list(range(self.sizes["P"]))
+        self.last_batch: dict | None = None
 
     # -- sequences -------------------------------------------------------------------------------------------------
 
@@ -128,6 +129,7 @@ class Engine:
             items.append(WorkItem(seq.slot, tuple(seq.pages), seq.length, tuple(tokens)))
         batch = pack_batch(items, num_tokens=num_tokens, rows=rows, max_seqs=self.cache_cfg.max_seqs,
                            pages_per_seq=self.pages_per_seq, all_logits=all_logits)
+        self.last_batch = batch  # the packed inputs of the latest step (for probes and debugging)
         outputs = self.program(self.params, self.caches, batch, with_logits)
         self.caches = {name: outputs[name] for name in self.cache_names}
         for seq, tokens in work:

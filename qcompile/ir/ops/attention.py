@@ -5,6 +5,7 @@ from __future__ import annotations
 import attrs
 import jax.numpy as jnp
 
+from qcompile.ir.cost import Cost, cost, nbytes
 from qcompile.ir.registry import expect, lowering, op, type_rule
 from qcompile.kernels.paged_attention import kv_cache_write_reference, paged_attention_reference
 
@@ -87,3 +88,18 @@ def _attention_type(op_, q, k_pages, v_pages, positions, query_start, page_table
 @lowering(PagedAttention)
 def _attention(op_, q, k_pages, v_pages, positions, query_start, page_table):
     return paged_attention_reference(q, k_pages, v_pages, positions, query_start, page_table, op_.scale)
+
+
+@cost(KvCacheWrite)
+def _kv_write_cost(op_, operands, results, step):
+    (pages, pages_shape), (kv, kv_shape), *_ = operands
+    return Cost(0.0, nbytes(kv, kv_shape))
+
+
+@cost(PagedAttention)
+def _attention_cost(op_, operands, results, step):
+    """Each sequence's live keys and values are read once; q·k and p·v for every (token, key) pair."""
+    (_, q_shape), (pages, pages_shape), *_ = operands
+    heads, head_dim = q_shape[1], q_shape[2]
+    kv_row = nbytes(pages, pages_shape[2:])  # one token's keys (all KV heads)
+    return Cost(4.0 * heads * head_dim * step.attended_keys(), 2.0 * kv_row * sum(step.contexts))

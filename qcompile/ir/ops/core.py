@@ -6,10 +6,13 @@ matmuls take and return the activation dtype with f32 accumulation.
 
 from __future__ import annotations
 
+import math
+
 import attrs
 import jax
 import jax.numpy as jnp
 
+from qcompile.ir.cost import Cost, cost, nbytes
 from qcompile.ir.registry import expect, lowering, op, type_rule
 from qcompile.ir.types import TensorType, num_elements_key, np_dtype
 
@@ -285,3 +288,19 @@ def _greedy_type(op_, logits):
 @lowering(Greedy)
 def _greedy(op_, logits):
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+
+# -- costs (qcompile/ir/cost.py) -------------------------------------------------------------------------------------
+
+
+@cost(Embed)
+def _embed_cost(op_, operands, results, step):
+    (out, out_shape), = results
+    return Cost(0.0, nbytes(out, out_shape))  # the rows read
+
+
+@cost(Linear)
+def _linear_cost(op_, operands, results, step):
+    (_, x_shape), (w, w_shape) = operands
+    rows = math.prod(x_shape[:-1])
+    return Cost(2.0 * rows * w_shape[0] * w_shape[1], nbytes(w, w_shape) if rows else 0)

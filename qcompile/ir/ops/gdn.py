@@ -7,6 +7,7 @@ import attrs
 import jax
 import jax.numpy as jnp
 
+from qcompile.ir.cost import Cost, cost, nbytes
 from qcompile.ir.registry import expect, lowering, op, type_rule
 from qcompile.ir.types import TensorType
 from qcompile.kernels.causal_conv1d import causal_conv1d_reference
@@ -127,3 +128,18 @@ def _gated_norm(op_, x, z, w):
     xf = x.astype(jnp.float32)
     normed = (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + op_.eps)).astype(x.dtype)
     return ((w.astype(x.dtype) * normed) * jax.nn.silu(z.astype(jnp.float32))).astype(x.dtype)
+
+
+@cost(CausalConv1d)
+def _conv_cost(op_, operands, results, step):
+    (x, x_shape), (state, state_shape), (w, w_shape), *_ = operands
+    per_seq = nbytes(state, state_shape[1:])
+    return Cost(2.0 * x_shape[0] * w_shape[0] * w_shape[1], nbytes(w, w_shape) + 2.0 * step.sequences * per_seq)
+
+
+@cost(GdnRecurrence)
+def _recurrence_cost(op_, operands, results, step):
+    """State read and written once per sequence; per token and head: decay, Sᵀk, the rank-1 update and Sᵀq."""
+    (_, q_shape), _, _, _, _, (state, state_shape), *_ = operands
+    heads, dk, dv = state_shape[1:]
+    return Cost(7.0 * q_shape[0] * heads * dk * dv, 2.0 * step.sequences * nbytes(state, state_shape[1:]))

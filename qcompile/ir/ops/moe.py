@@ -12,6 +12,7 @@ import attrs
 import jax
 import jax.numpy as jnp
 
+from qcompile.ir.cost import Cost, cost, nbytes
 from qcompile.ir.registry import expect, lowering, op, type_rule
 from qcompile.ir.types import TensorType, dim_mul
 
@@ -113,3 +114,11 @@ def _combine(op_, rows, order, weights):
     unsorted = jnp.zeros_like(rows).at[order].set(rows).reshape(tokens, k, rows.shape[1])
     weighted = unsorted * weights.astype(rows.dtype)[:, :, None]  # rounded to the model dtype, as HF does
     return jnp.sum(weighted.astype(jnp.float32), axis=1).astype(rows.dtype)
+
+
+@cost(GroupedMatmul)
+def _gmm_cost(op_, operands, results, step):
+    """Each routed row is multiplied once; only the experts the batch chose are read."""
+    (_, rows_shape), (w, w_shape), _ = operands
+    experts = min(step.experts_touched, w_shape[0])
+    return Cost(2.0 * rows_shape[0] * w_shape[1] * w_shape[2], experts * nbytes(w, w_shape[1:]))

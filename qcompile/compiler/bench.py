@@ -1,0 +1,298 @@
+"""`qcompile bench`: throughput, latency and % of roofline of a compiled model beside its peers, in one run.
+
+What a run does: reads the checkpoint (or artifact), builds the selected pipeline (with `--ablate`: none, all, all
+minus each pass and none plus each pass; every build equivalence-checked against the unoptimized graph, target rules
+against reference rules), measures the machine's ceilings, then for each concurrency serves the same seeded prompts
+on every build — and on transformers with `--compare transformers` — and prints one table: prefill and decode tok/s
+measured apart, TTFT / TPOT / ITL, output tok/s and % of roofline; then the ratios to transformers. `--json` writes
+the schema documented in docs/benchmarks.md; `--plot` a bar chart. Ctrl-C prints what was measured so far.
+How each number is measured: qcompile/compiler/measure.py.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import attrs
+import numpy as np
+
+import qcompile
+from qcompile.compiler.measure import (SCHEMA_VERSION, Roofline, bench_engine, bench_transformers, load_transformers,
+                                       log, make_prompts, measure_ceilings, transformers_available, workload_shape)
+from qcompile.errors import UsageError
+from qcompile.ir.abi import CacheConfig
+from qcompile.ir.lowering import host_target
+
+COMPARE_CHOICES = ("transformers",)
+
+
+@attrs.frozen
+class BenchOptions:
+    source: Path
+    workload: str = "decode-heavy"
+    input_len: int | None = None
+    output_len: int | None = None
+    scale: int = 64  # full-size workload shapes divided by this on a machine that cannot hold them
+    concurrency: tuple[int, ...] = (1, 8, 32)
+    num_prompts: int | None = None  # per concurrency; default one wave (= the concurrency)
+    passes: str | None = None  # None: "all" for a checkpoint; not allowed for an artifact
+    compare: tuple[str, ...] = ()
+    ablate: bool = False
+    json_path: Path | None = None
+    plot_path: Path | None = None
+    seed: int = 0
+    dtype: str | None = None
+    max_step_tokens: int = 512
+    verify: str = "final"
+
+
+@attrs.define
+class Build:
+    label: str  # the SPEC it was built from
+    passes: list[str]
+    graph: object
+    check: dict | None
+
+
+def ablation_specs(names: list[str]) -> list[str]:
+    specs = ["none", "all"]
+    specs += [f"all,-{n}" for n in names]
+    specs += [n for n in names]
+    return specs
+
+
+def _check_outputs(opts: BenchOptions) -> None:
+    for flag, path in (("--json", opts.json_path), ("--plot", opts.plot_path)):
+        if path is not None and not Path(path).parent.resolve().is_dir():
+            raise UsageError(f"{flag} {path}: directory {Path(path).parent} does not exist")
+    if opts.plot_path is not None:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise UsageError("--plot needs matplotlib; install the bench extra: pip install 'qcompile[bench]'") from None
+    for c in opts.concurrency:
+        if c < 1:
+            raise UsageError(f"--concurrency values must be positive, got {c}")
+    if opts.num_prompts is not None and opts.num_prompts < 1:
+        raise UsageError(f"--num-prompts must be positive, got {opts.num_prompts}")
+    unknown = [c for c in opts.compare if c not in COMPARE_CHOICES]
+    if unknown:
+        raise UsageError(f"--compare {unknown[0]!r} is not supported; choose {', '.join(COMPARE_CHOICES)}")
+    if "transformers" in opts.compare and (reason := transformers_available()):
+        raise UsageError(reason)
+
+
+def _builds_from_checkpoint(opts: BenchOptions, emit):
+    from qcompile.frontend.checkpoint import Checkpoint
+    from qcompile.ir.importer import build_graph
+    from qcompile.ir.weights import load_params
+    from qcompile.passes.base import PassContext
+    from qcompile.passes.equivalence import EquivalenceChecker
+    from qcompile.passes.manager import run_pipeline
+    from qcompile.passes.registry import PASSES, parse_spec
+
+    ckpt = Checkpoint.open(opts.source)
+    graph = build_graph(ckpt, opts.dtype)
+    specs = ablation_specs(list(PASSES)) if opts.ablate else [opts.passes or "all"]
+    log(f"loading weights of {opts.source}")
+    params = load_params(ckpt, graph)
+    target = host_target()
+    checker = None
+    if opts.verify != "none":
+        log("preparing the numerics check")
+        checker = EquivalenceChecker(graph, params, seed=opts.seed, target=target)
+    builds: dict[tuple[str, ...], Build] = {}
+    for spec in specs:
+        selected = parse_spec(spec)
+        key = tuple(p.name for p in selected)
+        if key in builds:
+            builds[key].label += f" = {spec}"
+            continue
+        result = run_pipeline(graph, selected, PassContext(target=target), verify_mode=opts.verify,
+                              checker=checker)
+        check = None if result.final_check is None else result.final_check.to_json()
+        builds[key] = Build(spec, list(key), result.graph, check)
+        if check is not None:
+            emit(f"build {spec}: passes {', '.join(key) or 'none'}; checked against the unoptimized graph "
+                 f"({target} rules vs reference): max error {check['max_error']:.2e} (bound {check['bound']:.0e})")
+    return ckpt, params, list(builds.values()), target
+
+
+def run_bench(opts: BenchOptions, emit=print) -> dict:
+    """Run the benchmark; returns the report (the --json content)."""
+    from qcompile.runtime.artifact import is_artifact
+
+    _check_outputs(opts)
+    input_len, output_len, shape_note = workload_shape(opts.workload, opts.input_len, opts.output_len, opts.scale)
+    artifact = is_artifact(opts.source)
+    if artifact and (opts.passes is not None or opts.ablate):
+        raise UsageError("--passes and --ablate need a checkpoint: an artifact's passes were fixed when it was compiled")
+    if artifact and opts.compare:
+        raise UsageError("--compare transformers needs the checkpoint (transformers cannot load an artifact)")
+    if artifact and opts.dtype:
+        raise UsageError("--dtype does not apply to an artifact: its dtype was fixed when it was compiled")
+    started = time.perf_counter()
+    if artifact:
+        from qcompile.runtime.artifact import load_artifact
+
+        art = load_artifact(opts.source)
+        graph = art.graph()
+        builds = [Build(str(art.manifest.get("pipeline", "artifact")), [], graph, art.manifest.get("equivalence"))]
+        params, vocab, dtype = art.params, int(art.config_json["vocab_size"]), graph.meta["dtype"]
+        target, ckpt = art.manifest.get("lowering", host_target()), None
+        limit = art.cache_config
+        too_big = [c for c in opts.concurrency if c > limit.max_seqs]
+        if too_big or input_len + output_len > limit.max_context:
+            raise UsageError(f"the artifact serves at most {limit.max_seqs} sequences of {limit.max_context} tokens; "
+                             f"concurrency {max(opts.concurrency)} with {input_len}+{output_len} tokens does not fit — "
+                             "recompile with larger --max-seqs / --max-context")
+    else:
+        ckpt, params, builds, target = _builds_from_checkpoint(opts, emit)
+        vocab, dtype = ckpt.config.vocab_size, builds[0].graph.meta["dtype"]
+    setup_seconds = time.perf_counter() - started
+    log("measuring the machine's ceilings (copy bandwidth, matmul rate)")
+    ceilings = measure_ceilings()
+    emit(f"machine: {ceilings['backend']}, {ceilings['threads']} threads; copy {ceilings['copy_bytes_per_s'] / 1e9:.1f} "
+         f"GB/s; matmul f32 {ceilings['matmul_flops_per_s']['f32'] / 1e9:.0f} GFLOP/s, bf16 "
+         f"{ceilings['matmul_flops_per_s']['bf16'] / 1e9:.0f} GFLOP/s")
+    emit(f"workload: {shape_note}; concurrency {', '.join(map(str, opts.concurrency))}; seed {opts.seed}")
+    runs: list[dict] = []
+    report = {
+        "schema_version": SCHEMA_VERSION, "qcompile_version": qcompile.__version__, "command": sys.argv[1:],
+        "source": str(opts.source), "workload": opts.workload, "shape": shape_note, "input_len": input_len,
+        "output_len": output_len, "dtype": dtype, "lowering": target, "machine": ceilings,
+        "setup_seconds": round(setup_seconds, 3),
+        "builds": [{"label": b.label, "passes": b.passes, "check": b.check} for b in builds], "runs": runs}
+    hf_model = None
+    try:
+        for concurrency in opts.concurrency:
+            num = opts.num_prompts or concurrency
+            prompts = make_prompts(num, input_len, vocab, opts.seed)
+            cache = CacheConfig(max_seqs=concurrency, max_context=input_len + output_len,
+                                max_step_tokens=opts.max_step_tokens)
+            experts: dict = {}
+            for build in builds:
+                log(f"qcompile [{build.label}] at concurrency {concurrency}: compiling and warming up, then "
+                    f"{num} requests")
+                engine = _engine(art if artifact else None, build, params, cache, target)
+                roofline = Roofline(build.graph, engine.sizes, ceilings, dtype)
+                m = bench_engine(engine, "qcompile", build.label, prompts, output_len, concurrency, roofline,
+                                 build.graph, target, lambda: None)
+                experts = experts or m.experts_touched
+                runs.append(m.to_json())
+                _progress(runs[-1])
+                del engine
+            if "transformers" in opts.compare:
+                log(f"transformers eager at concurrency {concurrency}")
+                if hf_model is None:
+                    hf_model = load_transformers(_hf_dir(ckpt), dtype)
+                roofline = Roofline(builds[0].graph, cache.sizes(int(builds[0].graph.meta["page_size"])), ceilings,
+                                    dtype)
+                m = bench_transformers(_hf_dir(ckpt), dtype, prompts, output_len, concurrency, roofline, experts,
+                                       lambda: None, model=hf_model)
+                runs.append(m.to_json())
+                _progress(runs[-1])
+    except KeyboardInterrupt:
+        report["interrupted"] = True
+        emit("interrupted: what was measured so far")
+        _finish(report, opts, emit)
+        raise
+    _finish(report, opts, emit)
+    return report
+
+
+def _hf_dir(ckpt) -> Path:
+    return ckpt.path if ckpt.path.is_dir() else ckpt.path.parent
+
+
+def _engine(art, build: Build, params, cache: CacheConfig, target: str):
+    from qcompile.runtime.engine import Engine
+
+    if art is not None:
+        return Engine(art.program, art.params, art.cache_config)
+    return Engine(build.graph, params, cache, target)
+
+
+def _progress(run: dict) -> None:
+    log(f"  {run['engine']} [{run['passes']}] c={run['concurrency']}: prefill {_fmt(run['prefill_tok_s'])} tok/s, "
+        f"decode {_fmt(run['decode_tok_s'])} tok/s")
+
+
+def _finish(report: dict, opts: BenchOptions, emit) -> None:
+    runs = report["runs"]
+    report["ratios"] = ratios(runs)
+    if runs:
+        emit(table(runs))
+        for line in report["ratios"]:
+            emit(line)
+    if opts.json_path is not None:
+        Path(opts.json_path).write_text(json.dumps(report, indent=2, default=str) + "\n")
+        emit(f"wrote {opts.json_path}")
+    if opts.plot_path is not None and runs:
+        plot(runs, Path(opts.plot_path))
+        emit(f"wrote {opts.plot_path}")
+
+
+def _fmt(value, spec: str = ".1f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def table(runs: list[dict]) -> str:
+    head = (f"{'engine':<22} {'passes':<14} {'conc':>4} {'prefill tok/s':>13} {'decode tok/s':>12} "
+            f"{'TTFT ms':>9} {'TPOT ms':>9} {'ITL p99':>8} {'out tok/s':>9} {'roof pre':>8} {'roof dec':>8}")
+    lines = [head, "-" * len(head)]
+    for r in runs:
+        lines.append(
+            f"{r['engine']:<22} {r['passes'][:14]:<14} {r['concurrency']:>4} {_fmt(r['prefill_tok_s']):>13} "
+            f"{_fmt(r['decode_tok_s']):>12} {_fmt(r['ttft_ms']['mean']):>9} {_fmt(r['tpot_ms']['mean'], '.2f'):>9} "
+            f"{_fmt(r['itl_ms']['p99'], '.2f'):>8} {_fmt(r['output_tok_s']):>9} "
+            f"{_fmt(None if r['roofline_prefill'] is None else 100 * r['roofline_prefill'], '.0f') + '%':>8} "
+            f"{_fmt(None if r['roofline_decode'] is None else 100 * r['roofline_decode'], '.0f') + '%':>8}")
+    return "\n".join(lines)
+
+
+def ratios(runs: list[dict], baseline: str = "transformers") -> list[str]:
+    """qcompile ÷ baseline per concurrency, prefill and decode."""
+    base = {r["concurrency"]: r for r in runs if r["engine"] == baseline}
+    lines = []
+    for r in runs:
+        b = base.get(r["concurrency"])
+        if r["engine"] == baseline or b is None:
+            continue
+        parts = []
+        for key, name in (("prefill_tok_s", "prefill"), ("decode_tok_s", "decode")):
+            if r[key] and b[key]:
+                parts.append(f"{name} {r[key] / b[key]:.2f}×")
+        lines.append(f"{r['engine']} ({r['passes']}) vs {baseline} at concurrency {r['concurrency']}: "
+                     + ", ".join(parts))
+    return lines
+
+
+def plot(runs: list[dict], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise UsageError("--plot needs matplotlib; install the bench extra: pip install 'qcompile[bench]'") from None
+    labels = [f"{r['engine']}\n{r['passes']}\nc={r['concurrency']}" for r in runs]
+    fig, axes = plt.subplots(1, 2, figsize=(max(8, 1.3 * len(runs)), 4.5))
+    x = np.arange(len(runs))
+    for ax, key, roof, title in ((axes[0], "prefill_tok_s", "roofline_prefill", "prefill"),
+                                 (axes[1], "decode_tok_s", "roofline_decode", "decode")):
+        values = [r[key] or 0.0 for r in runs]
+        bars = ax.bar(x, values, color=["#888888" if r["engine"] == "transformers" else "#3366cc" for r in runs])
+        for bar, r in zip(bars, runs):
+            if r[roof] is not None:
+                ax.annotate(f"{100 * r[roof]:.0f}%", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                            ha="center", va="bottom", fontsize=8)
+        ax.set_xticks(x, labels, fontsize=7)
+        ax.set_ylabel("tok/s")
+        ax.set_title(f"{title} tok/s (label: % of roofline)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,392 @@
+"""Measuring for `qcompile bench`: serving waves on an engine or on transformers, ceilings, and the roofline.
+
+What it measures (design.md §7, metric names as vLLM's benchmark prints them): for each concurrency c, M prompts of
+fixed seed are served in waves of c — every wave prefilled together (chunked at `max_step_tokens`), then decoded in
+lock-step, greedy, for exactly `output_len` tokens (EOS ignored, as serving benchmarks do). Per request: TTFT (wave
+start → first token), ITL (gaps between its tokens), TPOT ((latency − TTFT) / (tokens − 1)), end-to-end latency; per
+run: request throughput, output and total tok/s, and prefill tok/s and decode tok/s measured apart (time inside
+prefill steps and inside decode steps). Compile and warm-up (a full wave of the same shapes, untimed) are reported
+apart and excluded.
+
+The roofline (ours, stated in the report): each step's cost from the graph's cost rules (qcompile/ir/cost.py) — the
+weights the batch touches (only the experts its tokens chose, probed from a real step's router output), the KV read,
+the state read and written, the matmul FLOPs — against ceilings measured in the same run on the same threads: the
+memory copy bandwidth and the f32/bf16 matmul rate. Roofline time of a step = max(bytes / bandwidth, FLOPs / peak);
+"% of roofline" = Σ roofline time ÷ measured time, for prefill and decode apart.
+
+Peers in the same run: `--compare transformers` runs Hugging Face transformers eager on the same checkpoint, the same
+prompts and concurrency (batched, no padding needed: prompts of a wave have equal length) with torch on the same
+thread count; `--ablate` builds none, all, all minus each pass and none plus each pass, each equivalence-checked.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import attrs
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from qcompile.errors import UsageError
+from qcompile.ir.abi import CacheConfig
+from qcompile.ir.cost import StepShape, step_cost
+from qcompile.ir.graph import Graph
+from qcompile.ir.lowering import lower
+from qcompile.ir.ops.moe import MoeDispatch, RouterTopK
+
+#: The field's workload shapes at full scale (input, output tokens).
+WORKLOADS = {"prefill-heavy": (8192, 1024), "decode-heavy": (1024, 8192)}
+SCHEMA_VERSION = 1
+
+
+def log(text: str) -> None:
+    print(f"qcompile bench: {text}", file=sys.stderr, flush=True)
+
+
+# -- ceilings --------------------------------------------------------------------------------------------------------
+
+
+def _best_seconds(fn, *args, repeats: int = 5) -> float:
+    jax.block_until_ready(fn(*args))  # compile and warm
+    best = math.inf
+    for _ in range(repeats):
+        started = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
+def threads() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def measure_ceilings() -> dict:
+    """Memory copy bandwidth (read + write of a 256 MB array) and f32 / bf16 matmul rates, through XLA, now."""
+    data = jnp.ones((64 << 20,), jnp.float32)
+    copy = jax.jit(lambda x: x * 1.0001)
+    copy_s = _best_seconds(copy, data)
+    del data
+    n = 2048
+    rates = {}
+    for name, dtype in (("f32", jnp.float32), ("bf16", jnp.bfloat16)):
+        a = jnp.ones((n, n), dtype)
+        rates[name] = 2.0 * n**3 / _best_seconds(jax.jit(lambda x, y: x @ y), a, a)
+    return {"threads": threads(), "backend": jax.default_backend(), "copy_bytes_per_s": 2 * (64 << 20) * 4 / copy_s,
+            "matmul_flops_per_s": rates}
+
+
+# -- measurements ----------------------------------------------------------------------------------------------------
+
+
+def _stats_ms(values: list[float]) -> dict:
+    if not values:
+        return {"mean": None, "median": None, "p99": None}
+    arr = np.asarray(values) * 1e3
+    return {"mean": float(arr.mean()), "median": float(np.median(arr)), "p99": float(np.percentile(arr, 99))}
+
+
+@attrs.define
+class Measurement:
+    """What one engine did at one concurrency: per-request timings and per-phase totals."""
+
+    engine: str
+    passes: str
+    concurrency: int
+    input_len: int
+    output_len: int
+    ttft: list[float] = attrs.Factory(list)
+    itl: list[float] = attrs.Factory(list)
+    tpot: list[float] = attrs.Factory(list)
+    latency: list[float] = attrs.Factory(list)
+    requests: int = 0
+    prefill_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_tokens: int = 0
+    decode_seconds: float = 0.0
+    duration: float = 0.0
+    output_tokens: int = 0
+    roofline_prefill_seconds: float = 0.0
+    roofline_decode_seconds: float = 0.0
+    warmup_seconds: float = 0.0
+    experts_touched: dict = attrs.Factory(dict)
+    complete: bool = True
+
+    def request(self, ttft: float, token_times: list[float], start: float) -> None:
+        self.requests += 1
+        self.ttft.append(ttft)
+        gaps = list(np.diff(token_times))
+        self.itl.extend(gaps)
+        latency = token_times[-1] - start
+        self.latency.append(latency)
+        if len(token_times) > 1:
+            self.tpot.append((latency - ttft) / (len(token_times) - 1))
+        self.output_tokens += len(token_times)
+
+    def to_json(self, machine: dict | None = None, dtype: str = "f32") -> dict:
+        def rate(tokens, seconds):
+            return tokens / seconds if seconds > 0 else None
+
+        def frac(roof, seconds):
+            return roof / seconds if seconds > 0 and roof > 0 else None
+
+        return {
+            "engine": self.engine, "passes": self.passes, "concurrency": self.concurrency,
+            "input_len": self.input_len, "output_len": self.output_len, "requests": self.requests,
+            "complete": self.complete,
+            "request_throughput": rate(self.requests, self.duration),
+            "output_tok_s": rate(self.output_tokens, self.duration),
+            "total_tok_s": rate(self.output_tokens + self.requests * self.input_len, self.duration),
+            "prefill_tok_s": rate(self.prefill_tokens, self.prefill_seconds),
+            "decode_tok_s": rate(self.decode_tokens, self.decode_seconds),
+            "ttft_ms": _stats_ms(self.ttft), "tpot_ms": _stats_ms(self.tpot), "itl_ms": _stats_ms(self.itl),
+            "e2el_ms": _stats_ms(self.latency),
+            "roofline_prefill": frac(self.roofline_prefill_seconds, self.prefill_seconds),
+            "roofline_decode": frac(self.roofline_decode_seconds, self.decode_seconds),
+            "roofline_seconds": {"prefill": self.roofline_prefill_seconds, "decode": self.roofline_decode_seconds},
+            "measured_seconds": {"prefill": self.prefill_seconds, "decode": self.decode_seconds,
+                                 "duration": self.duration, "warmup": self.warmup_seconds},
+            "experts_touched": self.experts_touched,
+        }
+
+
+class Roofline:
+    """Roofline seconds of steps of one graph at the measured ceilings; experts touched come from probes."""
+
+    def __init__(self, graph: Graph, sizes: dict[str, int], ceilings: dict, dtype: str):
+        self.graph, self.sizes = graph, sizes
+        self.bandwidth = ceilings["copy_bytes_per_s"]
+        self.peak = ceilings["matmul_flops_per_s"]["bf16" if dtype == "bf16" else "f32"]
+        self.num_experts = max((n.op.num_experts for n in graph.find(MoeDispatch)), default=0)
+        self.top_k = max((n.op.k for n in graph.find(RouterTopK)), default=0)
+
+    def expected_experts(self, routed_tokens: int) -> float:
+        """Distinct experts hit by `routed_tokens` uniform top-k choices (used until a probe measured them)."""
+        if not self.num_experts:
+            return 0.0
+        return self.num_experts * (1.0 - (1.0 - self.top_k / self.num_experts) ** routed_tokens)
+
+    def seconds(self, new_tokens, contexts, rows: int, experts: float | None) -> float:
+        if experts is None:
+            experts = self.expected_experts(sum(new_tokens))
+        shape = StepShape(tuple(new_tokens), tuple(contexts), rows, experts)
+        return step_cost(self.graph, self.sizes, shape).seconds(self.bandwidth, self.peak)
+
+
+def probe_experts(graph: Graph, target: str, params, caches, batch) -> float:
+    """Mean over MoE layers of the distinct experts the valid tokens of `batch` route to (a non-donating run)."""
+    routers = graph.find(RouterTopK)
+    if not routers:
+        return 0.0
+    taps = {f"router.{i}": node.results[1] for i, node in enumerate(routers)}
+    lowered = lower(graph, target, taps)
+    fn = jax.jit(lambda p, c, b: {k: v for k, v in lowered(p, {**c, **b}).items() if k in taps})
+    out = fn(params, caches, batch)
+    valid = int(batch["query_start"][-1])
+    return float(np.mean([np.unique(np.asarray(ids)[:valid]).size for ids in out.values()]))
+
+
+def bench_engine(engine, label: str, passes: str, prompts: list[list[int]], output_len: int, concurrency: int,
+                 roofline: Roofline | None, graph: Graph | None, target: str, stop) -> Measurement:
+    """Serve `prompts` in waves of `concurrency` on `engine`; the first wave of the same shapes is a warm-up."""
+    input_len = len(prompts[0])
+    m = Measurement(label, passes, concurrency, input_len, output_len)
+    probes: dict[str, float | None] = {"prefill": None, "decode": None}
+    warm_started = time.perf_counter()
+    _serve_wave(engine, prompts[:concurrency], min(output_len, 3), None, None, probes, graph, target, stop)
+    m.warmup_seconds = time.perf_counter() - warm_started
+    started = time.perf_counter()
+    try:
+        for first in range(0, len(prompts), concurrency):
+            _serve_wave(engine, prompts[first:first + concurrency], output_len, m, roofline, probes, graph, target,
+                        stop)
+    except KeyboardInterrupt:
+        m.complete = False
+        raise
+    finally:
+        m.duration = time.perf_counter() - started
+        m.experts_touched = {k: v for k, v in probes.items() if v is not None}
+    return m
+
+
+def _serve_wave(engine, prompts, output_len, m: Measurement | None, roofline: Roofline | None, probes: dict,
+                graph: Graph | None, target: str, stop) -> None:
+    seqs = [engine.add_sequence() for _ in prompts]
+    budget = engine.cache_cfg.max_step_tokens
+    try:
+        start = time.perf_counter()
+        pending = [list(p) for p in prompts]
+        token_times: list[list[float]] = [[] for _ in prompts]
+        last = [0] * len(prompts)
+        ttft = [0.0] * len(prompts)
+        while any(pending):
+            work, owners, left = [], [], budget
+            for i, rest in enumerate(pending):
+                if rest and left > 0:
+                    take = rest[:left]
+                    del rest[:len(take)]
+                    work.append((seqs[i], take))
+                    owners.append(i)
+                    left -= len(take)
+            contexts = [s.length + len(t) for s, t in work]
+            new = [len(t) for _, t in work]
+            t0 = time.perf_counter()
+            nexts = engine.step_tokens(work)
+            t1 = time.perf_counter()
+            if graph is not None and probes["prefill"] is None:
+                probes["prefill"] = probe_experts(graph, target, engine.params, engine.caches, engine.last_batch)
+            if m is not None:
+                m.prefill_seconds += t1 - t0
+                m.prefill_tokens += sum(new)
+                if roofline is not None:
+                    m.roofline_prefill_seconds += roofline.seconds(new, contexts, len(work), probes["prefill"])
+            for i, tok in zip(owners, nexts):
+                if not pending[i]:
+                    last[i] = tok
+                    token_times[i].append(t1)
+                    ttft[i] = t1 - start
+            stop()
+        for _ in range(output_len - 1):
+            work = [(s, [last[i]]) for i, s in enumerate(seqs)]
+            contexts = [s.length + 1 for s in seqs]
+            t0 = time.perf_counter()
+            nexts = engine.step_tokens(work)
+            t1 = time.perf_counter()
+            if graph is not None and probes["decode"] is None:
+                probes["decode"] = probe_experts(graph, target, engine.params, engine.caches, engine.last_batch)
+            if m is not None:
+                m.decode_seconds += t1 - t0
+                m.decode_tokens += len(work)
+                if roofline is not None:
+                    m.roofline_decode_seconds += roofline.seconds([1] * len(work), contexts, len(work),
+                                                                  probes["decode"])
+            for i, tok in enumerate(nexts):
+                last[i] = tok
+                token_times[i].append(t1)
+            stop()
+        if m is not None:
+            for i in range(len(prompts)):
+                m.request(ttft[i], token_times[i], start)
+    finally:
+        for seq in seqs:
+            engine.release(seq)
+
+
+# -- transformers ----------------------------------------------------------------------------------------------------
+
+
+def transformers_available() -> str | None:
+    """None when transformers and torch import, else the reason."""
+    try:
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError as err:
+        return (f"--compare transformers needs transformers and torch ({err.name} is not installed); install the "
+                "test extra: pip install 'qcompile[test]'")
+    return None
+
+
+def bench_transformers(checkpoint_dir: Path, dtype: str, prompts: list[list[int]], output_len: int, concurrency: int,
+                       roofline: Roofline | None, experts: dict, stop, model=None) -> Measurement:
+    """Transformers eager, batched waves of `concurrency` equal-length prompts, greedy, with its own KV cache."""
+    import torch
+
+    torch.set_num_threads(threads())
+    if model is None:
+        model = load_transformers(checkpoint_dir, dtype)
+    input_len = len(prompts[0])
+    m = Measurement("transformers", "eager", concurrency, input_len, output_len)
+
+    @torch.no_grad()
+    def wave(batch_prompts, out_len, record):
+        ids = torch.tensor(batch_prompts, dtype=torch.long)
+        start = time.perf_counter()
+        out = model(input_ids=ids, use_cache=True)
+        nxt = out.logits[:, -1].argmax(-1)
+        t1 = time.perf_counter()
+        times = [[t1] for _ in batch_prompts]
+        if record:
+            m.prefill_seconds += t1 - start
+            m.prefill_tokens += ids.numel()
+            if roofline is not None:  # the whole wave as one step: the least work the prefill can cost
+                n = len(batch_prompts)
+                m.roofline_prefill_seconds += roofline.seconds([input_len] * n, [input_len] * n, n,
+                                                               experts.get("prefill"))
+        cache = out.cache if hasattr(out, "cache") else out.past_key_values
+        for step in range(out_len - 1):
+            t0 = time.perf_counter()
+            out = model(input_ids=nxt[:, None], cache=cache, use_cache=True)
+            cache = out.cache if hasattr(out, "cache") else out.past_key_values
+            nxt = out.logits[:, -1].argmax(-1)
+            t1 = time.perf_counter()
+            for t in times:
+                t.append(t1)
+            if record:
+                m.decode_seconds += t1 - t0
+                m.decode_tokens += len(batch_prompts)
+                if roofline is not None:
+                    ctx = [input_len + step + 1] * len(batch_prompts)
+                    m.roofline_decode_seconds += roofline.seconds([1] * len(batch_prompts), ctx, len(batch_prompts),
+                                                                  experts.get("decode"))
+            stop()
+        if record:
+            for t in times:
+                m.request(t[0] - start, t, start)
+
+    warm = time.perf_counter()
+    wave(prompts[:concurrency], min(output_len, 3), False)
+    m.warmup_seconds = time.perf_counter() - warm
+    started = time.perf_counter()
+    try:
+        for first in range(0, len(prompts), concurrency):
+            wave(prompts[first:first + concurrency], output_len, True)
+    except KeyboardInterrupt:
+        m.complete = False
+        raise
+    finally:
+        m.duration = time.perf_counter() - started
+    return m
+
+
+def load_transformers(checkpoint_dir: Path, dtype: str):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch_dtype = {"f32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    return AutoModelForCausalLM.from_pretrained(str(checkpoint_dir), dtype=torch_dtype).eval()
+
+
+# -- prompts and reporting -------------------------------------------------------------------------------------------
+
+
+def make_prompts(num: int, input_len: int, vocab: int, seed: int) -> list[list[int]]:
+    """Random prompts of a fixed seed (ids 3.. vocab-1: clear of the usual special ids 0-2)."""
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, vocab, input_len).tolist() for _ in range(num)]
+
+
+def workload_shape(workload: str, input_len: int | None, output_len: int | None, scale: int) -> tuple[int, int, str]:
+    if workload not in WORKLOADS:
+        raise UsageError(f"unknown workload {workload!r}; choose one of {', '.join(WORKLOADS)}")
+    if scale < 1:
+        raise UsageError(f"--scale must be at least 1, got {scale}")
+    full_in, full_out = WORKLOADS[workload]
+    scaled_in, scaled_out = max(1, full_in // scale), max(1, full_out // scale)
+    inp = input_len if input_len is not None else scaled_in
+    out = output_len if output_len is not None else scaled_out
+    for flag, value in (("--input-len", inp), ("--output-len", out)):
+        if value < 1:
+            raise UsageError(f"{flag} must be at least 1, got {value}")
+    note = (f"{workload} {full_in}/{full_out} scaled by 1/{scale} → {scaled_in}/{scaled_out}"
+            if input_len is None and output_len is None else f"input {inp} / output {out} tokens (given)")
+    return inp, out, note
+
+

@@ -1,0 +1,144 @@
+"""`qcompile bench` on a tiny checkpoint: the report's schema, the transformers peer, the roofline's cost rules,
+Ctrl-C, and the usage errors. Numbers are not asserted to be fast (no timed tests); they are asserted to be
+consistent (tokens counted, fractions in range, ratios computed from the rows)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from qcompile.cli import main
+from qcompile.compiler import bench as bench_mod
+from qcompile.compiler.bench import BenchOptions, ablation_specs, run_bench
+from qcompile.compiler.measure import Roofline, workload_shape
+from qcompile.errors import UsageError
+from qcompile.frontend.checkpoint import Checkpoint
+from qcompile.frontend.tiny import write_tiny
+from qcompile.ir.cost import StepShape, step_cost
+from qcompile.ir.importer import build_graph
+from qcompile.ir.ops.moe import GroupedMatmul
+
+RUN_KEYS = {"engine", "passes", "concurrency", "input_len", "output_len", "prefill_tok_s", "decode_tok_s", "ttft_ms",
+            "tpot_ms", "itl_ms", "roofline_prefill", "roofline_decode", "request_throughput", "output_tok_s",
+            "total_tok_s"}
+
+
+FAKE_CEILINGS = {"threads": 2, "backend": "cpu", "copy_bytes_per_s": 1e10, "matmul_flops_per_s": {"f32": 1e11, "bf16": 1e11}}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return write_tiny(tmp_path_factory.mktemp("bench") / "ckpt", family="qwen3_5_moe", seed=3)
+
+
+@pytest.fixture(scope="module")
+def report(tiny, tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench_out")
+    opts = BenchOptions(source=tiny, input_len=12, output_len=4, concurrency=(1, 2), num_prompts=None,
+                        compare=("transformers",), json_path=out / "b.json")
+    lines: list[str] = []
+    result = run_bench(opts, emit=lines.append)
+    return result, lines, out / "b.json"
+
+
+def test_report_schema_and_counts(report):
+    result, lines, path = report
+    assert json.loads(path.read_text()) == json.loads(json.dumps(result, default=str))
+    assert result["input_len"] == 12 and result["output_len"] == 4
+    machine = result["machine"]
+    assert machine["threads"] >= 1 and machine["copy_bytes_per_s"] > 1e8
+    assert machine["matmul_flops_per_s"]["f32"] > 1e8 and machine["matmul_flops_per_s"]["bf16"] > 1e7
+    engines = [(r["engine"], r["concurrency"]) for r in result["runs"]]
+    assert engines == [("qcompile", 1), ("transformers", 1), ("qcompile", 2), ("transformers", 2)]
+    for run in result["runs"]:
+        assert RUN_KEYS <= set(run)
+        c = run["concurrency"]
+        assert run["requests"] == c
+        for key in ("ttft_ms", "tpot_ms", "itl_ms"):
+            assert set(run[key]) == {"mean", "median", "p99"} and run[key]["mean"] > 0
+        assert run["prefill_tok_s"] > 0 and run["decode_tok_s"] > 0
+        # decode tok/s is tokens over the time spent in decode steps: (output_len - 1) tokens per request
+        seconds = run["measured_seconds"]["decode"]
+        assert math.isclose(run["decode_tok_s"] * seconds, c * 3, rel_tol=1e-9)
+        assert 0 < run["roofline_decode"] and 0 < run["roofline_prefill"]
+    assert result["builds"][0]["check"]["ok"] is True
+    assert any("vs transformers at concurrency 2" in line for line in result["ratios"])
+    table = "\n".join(lines)
+    assert "prefill tok/s" in table and "transformers" in table
+
+
+def test_experts_touched_are_probed(report):
+    result, _, _ = report
+    run = result["runs"][0]
+    # tiny preset: 8 experts, top-2; one decode token routes to exactly 2 experts per layer
+    assert run["experts_touched"]["decode"] == 2.0
+    assert 2.0 <= run["experts_touched"]["prefill"] <= 8.0
+
+
+def test_cost_rules_count_what_must_move(tiny):
+    graph = build_graph(Checkpoint.open(tiny))
+    sizes = {"B": 2, "M": 4, "P": 8, "S": 2}
+    one = step_cost(graph, sizes, StepShape((1,), (10,), 1, experts_touched=2.0))
+    more = step_cost(graph, sizes, StepShape((1,), (10,), 1, experts_touched=4.0))
+    gmms = graph.find(GroupedMatmul)
+    per_expert = sum(int(np.prod(graph.type_of(n.operands[1]).shape[1:])) * 4 for n in gmms)
+    assert math.isclose(more.bytes - one.bytes, 2.0 * per_expert)  # only the touched experts' weights count
+    longer = step_cost(graph, sizes, StepShape((1,), (20,), 1, experts_touched=2.0))
+    kv_row = 2 * 64 * 4  # Hkv 2 × head_dim 64 × f32, for k and for v
+    assert math.isclose(longer.bytes - one.bytes, 10 * 2 * kv_row)  # KV read follows the live context
+    assert StepShape((3, 1), (3, 5), 2, 0.0).attended_keys() == (1 + 2 + 3) + 5
+
+
+def test_workload_scaling_and_ablation_specs():
+    assert workload_shape("prefill-heavy", None, None, 64)[:2] == (128, 16)
+    assert workload_shape("decode-heavy", None, None, 64)[:2] == (16, 128)
+    assert workload_shape("decode-heavy", 128, 32, 64)[:2] == (128, 32)
+    assert ablation_specs(["a", "b"]) == ["none", "all", "all,-a", "all,-b", "a", "b"]
+    with pytest.raises(UsageError):
+        workload_shape("decode-heavy", 0, None, 64)
+
+
+def test_ctrl_c_prints_what_was_measured(tiny, monkeypatch, tmp_path):
+    real = bench_mod.bench_engine
+    calls = []
+
+    def interrupted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) > 1:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(bench_mod, "bench_engine", interrupted)
+    monkeypatch.setattr(bench_mod, "measure_ceilings", lambda: FAKE_CEILINGS)
+    lines: list[str] = []
+    opts = BenchOptions(source=tiny, input_len=8, output_len=2, concurrency=(1, 1), json_path=tmp_path / "p.json",
+                        verify="none")
+    with pytest.raises(KeyboardInterrupt):
+        run_bench(opts, emit=lines.append)
+    partial = json.loads((tmp_path / "p.json").read_text())
+    assert partial["interrupted"] is True and len(partial["runs"]) == 1
+    assert any("interrupted" in line for line in lines) and any("qcompile" in line for line in lines)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--concurrency", "0"], "positive"),
+    (["--concurrency", "1,x"], "comma-separated"),
+    (["--json", "/nonexistent-dir/x.json"], "does not exist"),
+    (["--input-len", "0"], "at least 1"),
+])
+def test_bench_usage_errors(tiny, capsys, args, message):
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", str(tiny), *args])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
+
+
+def test_compare_without_transformers_is_a_clear_line(tiny, capsys, monkeypatch):
+    monkeypatch.setattr(bench_mod, "transformers_available", lambda: "--compare transformers needs transformers")
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", str(tiny), "--compare", "transformers"])
+    assert exit_.value.code == 2 and "needs transformers" in capsys.readouterr().err
