@@ -39,6 +39,7 @@ def cli():
     \b
     qcompile [compile] [--passes SPEC] [-o OUT] CHECKPOINT   build, optimize, check and export the step graph
     qcompile run CHECKPOINT|OUT --prompt-ids 1,2,3           greedy generation (checkpoint or artifact)
+    qcompile bench CHECKPOINT|OUT [--compare transformers]    throughput, latency and % of roofline
     qcompile passes                                          list the optimization passes
     qcompile reproduce DIR                                   re-run a numerics failure's reproducer
     qcompile init-tiny DIR --family qwen3_5_moe              write a random HF-format checkpoint
@@ -75,18 +76,37 @@ def cli():
 @click.option("--max-context", default=512, show_default=True, help="Artifact: longest sequence in tokens.")
 @click.option("--max-step-tokens", default=64, show_default=True,
               help="Artifact: largest token bucket; longer prompts are prefilled in chunks.")
+@click.option("--num-pages", type=int, metavar="N",
+              help="Artifact: KV page pool size in pages (default: enough for --max-seqs full sequences).")
 def compile_cmd(checkpoint, passes_spec, output, report_path, dtype, page_size, target, verify, verify_layers, seed,
-                print_ir_after, print_ir_after_change, dump_dir, repro_dir, max_seqs, max_context, max_step_tokens):
+                print_ir_after, print_ir_after_change, dump_dir, repro_dir, max_seqs, max_context, max_step_tokens,
+                num_pages):
     """Load CHECKPOINT, build and verify the step graph, run and check the selected passes, write the artifact."""
-    from qcompile.compiler.driver import CompileOptions, compile_checkpoint
     from qcompile.ir.abi import CacheConfig
+
+    # Every size and output path is checked before any work: a bad flag is a one-line usage error (exit 2) naming
+    # the flag, never a failure (or an artifact that cannot run) minutes later.
+    cache = CacheConfig(max_seqs=max_seqs, max_context=max_context, max_step_tokens=max_step_tokens,
+                        num_pages=num_pages)
+    _check_page_size(page_size)
+    if verify_layers is not None and verify_layers < 1:
+        raise UsageError(f"--verify-layers must be a positive integer, got {verify_layers}")
+    if output is not None:
+        _check_output_dir(output, "-o")
+        _check_artifact_target(output)
+    if report_path is not None:
+        _check_output_file(report_path, "--report")
+    if dump_dir is not None:
+        _check_output_dir(dump_dir, "--dump-dir")
+    if repro_dir is not None:
+        _check_output_dir(repro_dir, "--repro-dir")
+    from qcompile.compiler.driver import CompileOptions, compile_checkpoint
 
     opts = CompileOptions(
         checkpoint=checkpoint, passes=passes_spec, output=output, report=report_path, dtype=dtype,
         page_size=page_size, target=target, verify=verify, verify_layers=verify_layers, seed=seed,
         print_ir_after=tuple(print_ir_after), print_ir_after_change=print_ir_after_change, dump_dir=dump_dir,
-        repro_dir=repro_dir,
-        cache=CacheConfig(max_seqs=max_seqs, max_context=max_context, max_step_tokens=max_step_tokens))
+        repro_dir=repro_dir, cache=cache)
     report = compile_checkpoint(opts, emit=click.echo)
     click.echo(f"done in {report['compile_seconds']:.1f}s")
 
@@ -120,13 +140,59 @@ def reproduce_cmd(directory):
 
 
 def _parse_ids(text: str) -> list[int]:
+    if not text.strip():
+        raise UsageError("--prompt-ids is empty")
+    parts = [part.strip() for part in text.split(",")]
+    if "" in parts:
+        raise UsageError(f"--prompt-ids {text!r} has an empty id; give comma-separated integers such as 1,2,3")
     try:
-        ids = [int(part) for part in text.replace(" ", "").split(",") if part]
+        return [int(part) for part in parts]
     except ValueError:
         raise UsageError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
-    if not ids:
-        raise UsageError("--prompt-ids is empty")
-    return ids
+
+
+def _check_page_size(page_size: int) -> None:
+    if isinstance(page_size, bool) or page_size <= 0 or page_size & (page_size - 1):
+        raise UsageError(f"--page-size must be a positive power of two, got {page_size}")
+
+
+def _nearest_existing(path: Path) -> Path:
+    path = path.absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def _check_output_dir(path: Path, flag: str) -> None:
+    """`path` is, or can be created as, a writable directory (checked before any work)."""
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"{flag} {path}: exists and is not a directory")
+    base = _nearest_existing(path)
+    if not base.is_dir():
+        raise UsageError(f"{flag} {path}: cannot create it, {base} is not a directory")
+    if not os.access(base, os.W_OK | os.X_OK):
+        raise UsageError(f"{flag} {path}: {base} is not writable")
+
+
+def _check_artifact_target(out: Path) -> None:
+    """-o must not be a non-empty directory that is not an artifact (export would refuse it only after compiling)."""
+    from qcompile.runtime.artifact import is_artifact
+
+    if out.is_dir() and any(out.iterdir()) and not is_artifact(out):
+        raise UsageError(f"-o {out}: directory is not empty and is not a qcompile artifact; refusing to overwrite it "
+                         "— choose another -o or empty it")
+
+
+def _check_output_file(path: Path, flag: str) -> None:
+    """`path` can be written as a file: its directory exists and is writable (checked before any work)."""
+    if path.is_dir():
+        raise UsageError(f"{flag} {path}: is a directory; give a file name")
+    parent = path.absolute().parent
+    if not parent.is_dir():
+        why = "is not a directory" if parent.exists() else "does not exist"
+        raise UsageError(f"{flag} {path}: directory {parent} {why}")
+    if not os.access(parent, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise UsageError(f"{flag} {path}: not writable")
 
 
 @cli.command("run", context_settings=CONTEXT)
@@ -134,16 +200,24 @@ def _parse_ids(text: str) -> list[int]:
 @click.option("--prompt-ids", required=True, help="Prompt token ids, comma-separated, e.g. 1,2,3.")
 @click.option("--max-new-tokens", default=16, show_default=True, type=click.IntRange(min=1))
 @click.option("--dtype", type=click.Choice(["f32", "bf16"]), help="Compute dtype (default: the checkpoint's).")
-@click.option("--save-logits", type=click.Path(path_type=Path), help="Save the prompt's logits, float32 [T, vocab], as .npy.")
-@click.option("--json", "as_json", is_flag=True, help="Print a machine-readable JSON result.")
-def run_cmd(checkpoint, prompt_ids, max_new_tokens, dtype, save_logits, as_json):
-    """Greedy-generate from CHECKPOINT (or a compiled artifact directory) and print the new token ids."""
+@click.option("--save-logits", type=click.Path(path_type=Path),
+              help="Save the prompt's logits, float32 [T, vocab], as .npy (to exactly this path).")
+@click.option("--ignore-eos", is_flag=True, help="Do not stop at the config's eos_token_id: generate --max-new-tokens.")
+@click.option("--json", "as_json", is_flag=True, help="Print a machine-readable JSON result (with finish_reason).")
+def run_cmd(checkpoint, prompt_ids, max_new_tokens, dtype, save_logits, ignore_eos, as_json):
+    """Greedy-generate from CHECKPOINT (or a compiled artifact directory) and print the new token ids.
+
+    Generation stops after an EOS token (the config's eos_token_id; printed as the last token) or after
+    --max-new-tokens; --ignore-eos always generates --max-new-tokens.
+    """
     import numpy as np
 
     from qcompile.ir.abi import CacheConfig
     from qcompile.runtime.model import load_model
 
     ids = _parse_ids(prompt_ids)
+    if save_logits is not None:
+        _check_output_file(save_logits, "--save-logits")  # before loading: never fail after generating
     started = time.perf_counter()
     from qcompile.runtime.artifact import is_artifact, load_artifact
 
@@ -151,6 +225,7 @@ def run_cmd(checkpoint, prompt_ids, max_new_tokens, dtype, save_logits, as_json)
         if dtype:
             raise UsageError("--dtype does not apply to an artifact: its dtype was fixed when it was compiled")
         artifact = load_artifact(checkpoint)
+        eos_ids = tuple(artifact.config_json.get("eos_token_ids") or ())
         engine, vocab = artifact.engine(), int(artifact.config_json["vocab_size"])
         family, graph_dtype = artifact.config_json["family"], artifact.manifest.get("compute_dtype")
         limit = engine.cache_cfg.max_context
@@ -160,19 +235,27 @@ def run_cmd(checkpoint, prompt_ids, max_new_tokens, dtype, save_logits, as_json)
     else:
         model = load_model(checkpoint, dtype)
         model.checkpoint.warn_unknown()
+        eos_ids = model.checkpoint.config.eos_token_ids
         vocab, family, graph_dtype = model.checkpoint.config.vocab_size, model.checkpoint.config.family, model.graph.meta["dtype"]
         engine = model.engine(CacheConfig(max_seqs=1, max_context=len(ids) + max_new_tokens))
     bad = [i for i in ids if not 0 <= i < vocab]
     if bad:
         raise UsageError(f"prompt id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+    if ignore_eos:
+        eos_ids = ()
     loaded = time.perf_counter()
-    result = engine.generate([ids], max_new_tokens, prompt_logits=save_logits is not None)
+    result = engine.generate([ids], max_new_tokens, prompt_logits=save_logits is not None, eos_ids=eos_ids)
     done = time.perf_counter()
-    tokens = result["tokens"][0]
+    tokens, finish_reason = result["tokens"][0], result["finish_reasons"][0]
     if save_logits:
-        np.save(save_logits, np.asarray(result["prompt_logits"][0], np.float32))
+        try:
+            with open(save_logits, "wb") as f:
+                np.save(f, np.asarray(result["prompt_logits"][0], np.float32))
+        except OSError as err:
+            raise UsageError(f"--save-logits {save_logits}: cannot write it ({err.strerror or err})") from None
     if as_json:
-        click.echo(json.dumps({"prompt_ids": ids, "tokens": tokens, "dtype": graph_dtype, "family": family,
+        click.echo(json.dumps({"prompt_ids": ids, "tokens": tokens, "finish_reason": finish_reason,
+                               "eos_token_ids": list(eos_ids), "dtype": graph_dtype, "family": family,
                                "seconds": {"load": round(loaded - started, 3), "generate": round(done - loaded, 3)}}))
     else:
         click.echo(",".join(str(t) for t in tokens))
@@ -194,6 +277,44 @@ def init_tiny_cmd(directory, family, preset, seed, dtype, force):
         raise UsageError(f"{directory} already holds a checkpoint; pass --force to overwrite it")
     write_tiny(directory, family=family, preset=preset, seed=seed, dtype=dtype)
     click.echo(f"wrote {family} ({preset}, {dtype}, seed {seed}) to {directory}")
+
+
+@cli.command("bench", context_settings=CONTEXT)
+@click.argument("source", metavar="CHECKPOINT|ARTIFACT", type=click.Path(path_type=Path))
+@click.option("--workload", type=click.Choice(["prefill-heavy", "decode-heavy"]), default="decode-heavy",
+              show_default=True, help="The field's 8K/1K (prefill-heavy) or 1K/8K (decode-heavy) shape, scaled by --scale.")
+@click.option("--scale", default=64, show_default=True, metavar="N",
+              help="Divide the workload's full-size lengths by N (this machine cannot hold 8K contexts at speed).")
+@click.option("--input-len", type=int, metavar="N", help="Prompt length in tokens (overrides the workload).")
+@click.option("--output-len", type=int, metavar="N", help="Generated tokens per request (overrides the workload).")
+@click.option("--concurrency", default="1,8,32", show_default=True, metavar="C1,C2,...",
+              help="Concurrent requests (one run per value).")
+@click.option("--num-prompts", type=int, metavar="M", help="Requests per concurrency (default: one wave of C).")
+@click.option("--passes", "passes_spec", default=None, metavar="SPEC", help="Passes of the build (default all).")
+@click.option("--compare", multiple=True, type=click.Choice(["transformers"]),
+              help="Also run Hugging Face transformers eager on the same checkpoint, prompts and threads.")
+@click.option("--ablate", is_flag=True, help="Builds none, all, all minus each pass and none plus each pass.")
+@click.option("--dtype", type=click.Choice(["f32", "bf16"]), help="Compute dtype (default: the checkpoint's).")
+@click.option("--max-step-tokens", default=512, show_default=True, help="Largest prefill chunk per step.")
+@click.option("--verify", type=click.Choice(["final", "none"]), default="final", show_default=True,
+              help="Check each build against the unoptimized graph before measuring it.")
+@click.option("--seed", default=0, show_default=True, help="Seed of the random prompts.")
+@click.option("--json", "json_path", type=click.Path(path_type=Path), help="Write the results (docs/benchmarks.md schema).")
+@click.option("--plot", "plot_path", type=click.Path(path_type=Path), help="Write a PNG bar chart (needs matplotlib).")
+def bench_cmd(source, workload, scale, input_len, output_len, concurrency, num_prompts, passes_spec, compare, ablate,
+              dtype, max_step_tokens, verify, seed, json_path, plot_path):
+    """Measure prefill/decode throughput, latency and % of roofline of CHECKPOINT (or an artifact)."""
+    from qcompile.compiler.bench import BenchOptions, run_bench
+
+    try:
+        levels = tuple(int(part) for part in concurrency.split(","))
+    except ValueError:
+        raise UsageError(f"--concurrency must be comma-separated integers, got {concurrency!r}") from None
+    opts = BenchOptions(source=source, workload=workload, input_len=input_len, output_len=output_len, scale=scale,
+                        concurrency=levels, num_prompts=num_prompts, passes=passes_spec, compare=tuple(compare),
+                        ablate=ablate, json_path=json_path, plot_path=plot_path, seed=seed, dtype=dtype,
+                        max_step_tokens=max_step_tokens, verify=verify)
+    run_bench(opts, emit=click.echo)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -55,6 +55,7 @@ class Build:
     passes: list[str]
     graph: object
     check: dict | None
+    params: dict | None = None  # None: the artifact's
 
 
 def ablation_specs(names: list[str]) -> list[str]:
@@ -88,7 +89,7 @@ def _check_outputs(opts: BenchOptions) -> None:
 def _builds_from_checkpoint(opts: BenchOptions, emit):
     from qcompile.frontend.checkpoint import Checkpoint
     from qcompile.ir.importer import build_graph
-    from qcompile.ir.weights import load_params
+    from qcompile.ir.weights import fold_weight_preparation, load_params
     from qcompile.passes.base import PassContext
     from qcompile.passes.equivalence import EquivalenceChecker
     from qcompile.passes.manager import run_pipeline
@@ -114,7 +115,9 @@ def _builds_from_checkpoint(opts: BenchOptions, emit):
         result = run_pipeline(graph, selected, PassContext(target=target), verify_mode=opts.verify,
                               checker=checker)
         check = None if result.final_check is None else result.final_check.to_json()
-        builds[key] = Build(spec, list(key), result.graph, check)
+        folded = fold_weight_preparation(result.graph)
+        build_params = params if folded is graph else load_params(ckpt, folded, loaded=params)
+        builds[key] = Build(spec, list(key), folded, check, build_params)
         if check is not None:
             emit(f"build {spec}: passes {', '.join(key) or 'none'}; checked against the unoptimized graph "
                  f"({target} rules vs reference): max error {check['max_error']:.2e} (bound {check['bound']:.0e})")
@@ -213,7 +216,7 @@ def _engine(art, build: Build, params, cache: CacheConfig, target: str):
 
     if art is not None:
         return Engine(art.program, art.params, art.cache_config)
-    return Engine(build.graph, params, cache, target)
+    return Engine(build.graph, build.params, cache, target)
 
 
 def _progress(run: dict) -> None:

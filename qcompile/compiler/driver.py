@@ -25,7 +25,7 @@ from qcompile.ir.abi import CacheConfig
 from qcompile.compiler.export import TARGET_RULES
 from qcompile.ir.importer import build_graph, select_layers
 from qcompile.ir.lowering import target_rules_used
-from qcompile.ir.weights import load_params
+from qcompile.ir.weights import fold_weight_preparation, load_params, prepared_names
 from qcompile.passes.base import PassContext
 from qcompile.passes.equivalence import EquivalenceChecker
 from qcompile.passes.manager import Instruments, Reproducer, run_pipeline
@@ -113,6 +113,7 @@ def compile_checkpoint(opts: CompileOptions, emit: Callable[[str], None] = print
     final_graph = result.graph
     if layers is not None:  # the slice was checked; now rewrite the whole graph with structural verification
         final_graph = run_pipeline(graph, selected, ctx, verify_mode="none").graph
+    final_graph = fold_weight_preparation(final_graph)
     if result.final_check is not None:
         fc = result.final_check
         what = (f"{'optimized' if selected else 'unoptimized'} ({rules} rules) vs reference" if lowering_checked
@@ -125,6 +126,7 @@ def compile_checkpoint(opts: CompileOptions, emit: Callable[[str], None] = print
                    "verify_layers": list(layers) if layers is not None else None, "seed": opts.seed,
                    **result.to_json()},
         **summarize(ckpt, final_graph),
+        "prepared_weights": prepared_names(final_graph),
     }
     report["compile_seconds"] = round(time.perf_counter() - started, 3)
     if opts.output is not None:
@@ -167,11 +169,12 @@ def _check_slice(ckpt: Checkpoint, opts: CompileOptions, warn) -> tuple[int, ...
 def _write_output(opts: CompileOptions, ckpt: Checkpoint, graph, params, report: dict, emit) -> None:
     from qcompile.compiler.export import write_artifact
 
-    if params is None:
-        params = load_params(ckpt, graph)
+    # Prepared weights are computed here, once; plain ones already read for the check are reused.
+    params = load_params(ckpt, graph, loaded=params)
+    prepared = graph.meta.get("prepared", {})
     extra = {"pipeline": report["passes"]["spec"], "passes": report["passes"],
              "equivalence": report["passes"]["final_check"], "compute_dtype": graph.meta["dtype"],
-             "model": {k: report[k] for k in ("family", "layers", "parameters")}}
+             "model": {k: report[k] for k in ("family", "layers", "parameters")}, "prepared_weights": prepared}
     write_artifact(opts.output, graph, params, config_json=ckpt.config.to_json(), cache=opts.cache,
                    target=opts.target, extra=extra)
     emit(f"wrote artifact {opts.output} (target {opts.target}): executables, weights, manifest.json, graph.qir, report.json")

@@ -55,6 +55,7 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention_bias: bool
     dtype: str  # checkpoint's declared dtype: f32 | bf16 | f16
+    eos_token_ids: tuple[int, ...] = ()  # generation stops after one of these (config, else generation_config.json)
 
     @property
     def rotary_dim(self) -> int:
@@ -205,6 +206,7 @@ def parse_config(raw: dict, where: str = "config.json") -> ModelConfig:
         tie_word_embeddings=bool(text.get("tie_word_embeddings", raw.get("tie_word_embeddings", False))),
         attention_bias=bool(text.get("attention_bias", False)),
         dtype=_DTYPE_NAMES.get(str(dtype_name), "bf16" if dtype_name is None else str(dtype_name)),
+        eos_token_ids=eos_ids(text.get("eos_token_id", raw.get("eos_token_id")), where) or (),
     )
     _check_consistency(cfg, where)
     return cfg
@@ -233,6 +235,16 @@ def _check_consistency(cfg: ModelConfig, where: str) -> None:
         raise CheckpointError(one_line(f"{where}: " + "; ".join(problems)))
 
 
+def eos_ids(value, where) -> tuple[int, ...] | None:
+    """An `eos_token_id` entry (int, list of ints, or null) as a tuple of ids; None when it is absent or null."""
+    if value is None:
+        return None
+    values = value if isinstance(value, list) else [value]
+    if not all(type(v) is int and v >= 0 for v in values):
+        raise CheckpointError(f"{where}: 'eos_token_id' must be a token id or a list of token ids, got {value!r}")
+    return tuple(values)
+
+
 def load_config(path: str | Path) -> ModelConfig:
     """Read and resolve a config.json file."""
     path = Path(path)
@@ -246,4 +258,13 @@ def load_config(path: str | Path) -> ModelConfig:
         raise CheckpointError(one_line(f"{path}: not valid JSON ({type(err).__name__}: {err})"))
     if not isinstance(raw, dict):
         raise CheckpointError(f"{path}: expected a JSON object")
-    return parse_config(raw, where=str(path))
+    cfg = parse_config(raw, where=str(path))
+    generation = path.with_name("generation_config.json")
+    if not cfg.eos_token_ids and generation.is_file():
+        try:
+            gen = json.loads(generation.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            gen = None
+        if isinstance(gen, dict):
+            cfg = attrs.evolve(cfg, eos_token_ids=eos_ids(gen.get("eos_token_id"), str(generation)) or ())
+    return cfg

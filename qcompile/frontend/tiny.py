@@ -20,13 +20,14 @@ Presets:
 from __future__ import annotations
 
 import json
+import os
 import zlib
 from pathlib import Path
 
 import ml_dtypes
 import numpy as np
 
-from qcompile.errors import UsageError
+from qcompile.errors import UsageError, one_line
 from qcompile.frontend.checkpoint import canonical_params
 from qcompile.frontend.config import parse_config
 from qcompile.frontend.safetensors_io import write_safetensors
@@ -116,14 +117,30 @@ def write_checkpoint(out_dir: str | Path, config: dict, seed: int = 0, dtype: st
     for ref in refs.values():
         for source in ref.sources:
             sources[source] = ref.source_shape
+    _prepare_dir(out)  # before drawing the weights: a bad DIR fails at once, not after minutes (bench preset)
     np_dtype = np.float32 if dtype == "f32" else ml_dtypes.bfloat16
     tensors = {}
     for name in sorted(sources):
         rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
         tensors[name] = _init(name, sources[name], rng).astype(np.float32).astype(np_dtype)
-    out.mkdir(parents=True, exist_ok=True)
-    write_safetensors(out / "model.safetensors", tensors, metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     generation = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "do_sample": False}
-    (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    try:
+        write_safetensors(out / "model.safetensors", tensors, metadata={"format": "pt"})
+        (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    except OSError as err:
+        where = err.filename or out
+        raise UsageError(one_line(f"{where}: cannot write the checkpoint ({err.strerror or err})")) from None
     return out
+
+
+def _prepare_dir(out: Path) -> None:
+    """Create `out` (and its parents), or refuse with a usage error that names the path and why."""
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"{out}: exists and is not a directory; choose another DIR")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise UsageError(one_line(f"{out}: cannot create the directory ({err.strerror or err})")) from None
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise UsageError(f"{out}: directory is not writable")

@@ -1,28 +1,160 @@
-"""Weights of a step graph: reading the parameters a graph names from a checkpoint, one tensor at a time.
+"""Weights of a step graph: compile-time weight preparation and reading parameters one tensor at a time.
 
-`load_params` is the one way a checkpoint's tensors become the arrays a step program takes: each `param` op of the
-graph is read (memory-mapped, converted to the graph's dtype) and placed on the default device before the next one
-is read, so the host never holds more than one converted tensor beyond the device copies.
+Why: a pass or a target rule may want a weight in another layout — gate and up concatenated, transposed, cast,
+padded to a block multiple, quantized, later sharded. It says so in the graph, as ordinary ops on `param`s. The part
+of the graph that depends on parameters only is then evaluated once, not every step: `fold_weight_preparation`
+replaces each params-only value that a step op consumes by a new `param` named `prepared.<hash>`, and records how to
+compute it — a small graph in the IR's text form — in `graph.meta["prepared"]`. `load_params` is the one place
+parameters are made: a plain name is read from the checkpoint, a prepared one is computed from its recipe, reading
+only the tensors that recipe names. It runs at compile time for the artifact (which then stores the prepared
+weights, so `run ARTIFACT` prepares nothing) and at load time for `run CHECKPOINT`; the checker, the artifact writer,
+`bench` and `reproduce` all go through it. One tensor at a time: the host never holds more than one recipe's inputs
+beyond the device copies, so preparing a 400 GB checkpoint never holds it in memory.
+
+    before:  %3 = param "layers.0.mlp.gate_proj" : f32[56,96]
+             %4 = param "layers.0.mlp.up_proj" : f32[56,96]
+             %5 = concat(%3, %4) {axis=0} : f32[112,96]
+             %9 = linear(%8, %5) : f32[T,112]
+    after:   %5 = param "prepared.3f2a9c0e11b4" : f32[112,96]      meta["prepared"]["prepared.3f2a9c0e11b4"] =
+             %9 = linear(%8, %5) : f32[T,112]                       the text of param, param, concat, return
 """
 
 from __future__ import annotations
 
+import hashlib
+import re
 import sys
 
+import jax
 import jax.numpy as jnp
 from tqdm import tqdm
 
 from qcompile.frontend.checkpoint import Checkpoint
-from qcompile.ir.graph import Graph
-from qcompile.ir.ops.core import Param
+from qcompile.ir.builder import Builder
+from qcompile.ir.graph import Graph, Value
+from qcompile.ir.ops.core import Input, Param
 from qcompile.ir.types import np_dtype
 
+PREPARED_PREFIX = "prepared."
+_RECIPE_OUTPUT = "value"
 
-def load_params(checkpoint: Checkpoint, graph: Graph, progress: bool | None = None) -> dict:
-    """Read every parameter the graph names, cast to its dtype, onto the default device (one tensor at a time)."""
+
+def _params_only(graph: Graph) -> set[int]:
+    """Ids of the non-leaf nodes whose inputs are all parameters (transitively)."""
+    pure: set[int] = set()
+    leaves: set[int] = set()
+    for node in graph.nodes():
+        if isinstance(node.op, Param):
+            leaves.add(node.id)
+        elif not isinstance(node.op, Input) and node.operands and all(
+                v.node in pure or v.node in leaves for v in node.operands):
+            pure.add(node.id)
+    return pure
+
+
+def _recipe(graph: Graph, value: Value) -> Graph:
+    """The params-only subgraph computing `value`, as its own graph with one output."""
+    needed: set[int] = set()
+    stack = [value.node]
+    while stack:
+        node_id = stack.pop()
+        if node_id not in needed:
+            needed.add(node_id)
+            stack.extend(v.node for v in graph.node(node_id).operands)
+    b = Builder()
+    mapping: dict[Value, Value] = {}
+    for node in graph.nodes():
+        if node.id not in needed:
+            continue
+        if isinstance(node.op, Param):
+            new = (b.param(node.op.name, node.op.type),)
+        else:
+            out = b.add_typed(node.op, [mapping[v] for v in node.operands], node.types)
+            new = out if isinstance(out, tuple) else (out,)
+        mapping.update(zip(node.results, new))
+    b.output(_RECIPE_OUTPUT, mapping[value])
+    return b.build({})
+
+
+def fold_weight_preparation(graph: Graph) -> Graph:
+    """Replace every params-only value used by a step op with a prepared param (see the module docstring).
+
+    Returns the same graph object when there is nothing to fold.
+    """
+    from qcompile.ir.printer import print_graph
+
+    pure = _params_only(graph)
+    if not pure:
+        return graph
+    step_nodes = [n for n in graph.nodes() if n.id not in pure and not isinstance(n.op, Param)]
+    used = {v for n in step_nodes for v in n.operands} | set(graph.outputs.values())
+    recipes = dict(graph.meta.get("prepared", {}))
+    b = Builder()
+    mapping: dict[Value, Value] = {}
+    for node in graph.nodes():
+        if node.id in pure:
+            for value in node.results:
+                if value in used:
+                    text = print_graph(_recipe(graph, value), "recipe")
+                    name = PREPARED_PREFIX + hashlib.sha256(text.encode()).hexdigest()[:12]
+                    recipes[name] = text
+                    mapping[value] = b.param(name, graph.type_of(value))
+        elif isinstance(node.op, Param):
+            if any(v in used for v in node.results):
+                mapping[node.results[0]] = b.param(node.op.name, node.op.type)
+        elif isinstance(node.op, Input):
+            mapping[node.results[0]] = b.input(node.op.name, node.op.type)
+        else:
+            out = b.add_typed(node.op, [mapping[v] for v in node.operands], node.types)
+            mapping.update(zip(node.results, out if isinstance(out, tuple) else (out,)))
+    for name, value in graph.outputs.items():
+        b.output(name, mapping[value])
+    return b.build({**graph.meta, "prepared": recipes})
+
+
+def prepared_names(graph: Graph) -> list[str]:
+    return [n.op.name for n in graph.find(Param) if n.op.name in graph.meta.get("prepared", {})]
+
+
+_EVALUATORS: dict[str, object] = {}
+
+
+def _evaluate(recipe_text: str, read) -> object:
+    """Compute a prepared weight from its recipe, reading each parameter it names with `read(name, type)`."""
+    from qcompile.ir.lowering import lower
+    from qcompile.ir.parser import parse_graph
+
+    recipe = parse_graph(recipe_text, "<prepared weight recipe>")
+    names = [n.op.name for n in recipe.find(Param)]
+    inputs = [read(n.op.name, n.op.type) for n in recipe.find(Param)]
+    # Recipes that differ only in the parameters they name (the same layout change in every layer) share one
+    # compiled function.
+    counter = iter(range(len(names) + 1))
+    shape_key = re.sub(r'param "(?:[^"\\]|\\.)*"', lambda _: f'param "arg{next(counter)}"', recipe_text)
+    fn = _EVALUATORS.get(shape_key)
+    if fn is None:
+        lowered = lower(recipe)
+        fn = _EVALUATORS[shape_key] = jax.jit(
+            lambda args: lowered(dict(zip(names, args)), {})[_RECIPE_OUTPUT])
+    return fn(inputs)
+
+
+def load_params(checkpoint: Checkpoint, graph: Graph, progress: bool | None = None, loaded: dict | None = None) -> dict:
+    """Every parameter the graph names, on the default device, made one tensor at a time: plain names read from the
+    checkpoint and cast to the graph's dtype (or taken from `loaded`, arrays already made for another graph of the
+    same checkpoint); prepared names computed from their recipe."""
     nodes = graph.find(Param)
+    recipes = graph.meta.get("prepared", {})
     show = sys.stderr.isatty() if progress is None else progress
+
+    def read(name: str, type_):
+        have = (loaded or {}).get(name)
+        if have is not None and tuple(have.shape) == tuple(type_.shape) and have.dtype == np_dtype(type_.dtype):
+            return have
+        return jnp.asarray(checkpoint.load(name).astype(np_dtype(type_.dtype)))
+
     params = {}
     for node in tqdm(nodes, desc="loading weights", unit="tensor", disable=not show, file=sys.stderr):
-        params[node.op.name] = jnp.asarray(checkpoint.load(node.op.name).astype(np_dtype(node.op.type.dtype)))
+        name = node.op.name
+        params[name] = _evaluate(recipes[name], read) if name in recipes else read(name, node.op.type)
     return params

@@ -18,9 +18,11 @@ def parse_spec(spec: str, table: dict[str, Pass] | None = None) -> list[Pass]:
     """Selected passes, in pipeline (table) order."""
     table = PASSES if table is None else table
     selected = {name: False for name in table}
+    if not spec.strip():
+        raise UsageError("--passes SPEC is empty; give all, none, a,b or all,-a (see `qcompile passes`)")
     for raw in (part.strip() for part in spec.split(",")):
-        if not raw:
-            continue
+        if raw in ("", "-", "+"):
+            raise UsageError(f"--passes {spec!r} has an empty element; separate pass names with single commas")
         if raw in ("all", "none"):
             selected = {name: raw == "all" and table[name].in_all for name in table}
             continue

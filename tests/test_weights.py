@@ -1,0 +1,120 @@
+"""Compile-time weight preparation: params-only parts of a graph are folded into prepared parameters, computed
+once by `load_params` (one recipe at a time), stored in the artifact, and never recomputed by `run ARTIFACT`."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+import toy_passes
+from qcompile.frontend.checkpoint import Checkpoint
+from qcompile.ir.importer import build_graph
+from qcompile.ir.ops.core import Param, Slice
+from qcompile.ir.parser import parse_graph
+from qcompile.ir.verifier import verify
+from qcompile.ir.weights import PREPARED_PREFIX, fold_weight_preparation, load_params, prepared_names
+from qcompile.passes import registry
+from qcompile.passes.base import PassContext
+from qcompile.passes.equivalence import EquivalenceChecker
+from test_cli import cli
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    from conftest import write_small
+
+    return write_small(tmp_path_factory.mktemp("weights") / "m", family="qwen3_5_moe", seed=4)
+
+
+@pytest.fixture(scope="module")
+def split(ckpt):
+    """The unoptimized graph and the graph after the toy split-linear pass (slices of parameters)."""
+    graph = build_graph(Checkpoint.open(ckpt))
+    result = toy_passes.GOOD["split-linear"].run(graph, PassContext())
+    assert result.changed
+    return graph, result.graph
+
+
+def test_nothing_to_fold_returns_the_same_graph(split):
+    graph, _ = split
+    assert fold_weight_preparation(graph) is graph
+
+
+def test_params_only_values_become_prepared_params(split):
+    _, optimized = split
+    folded = fold_weight_preparation(optimized)
+    verify(folded)
+    def weight_slices(g):
+        return [n for n in g.find(Slice) if isinstance(g.node(n.operands[0].node).op, Param)]
+
+    assert weight_slices(optimized) and not weight_slices(folded)  # every slice of a weight was folded
+    names = prepared_names(folded)
+    assert names and all(name.startswith(PREPARED_PREFIX) for name in names)
+    assert len(names) == len(weight_slices(optimized))
+    for name in names:  # each recipe is IR text naming only checkpoint parameters
+        recipe = parse_graph(folded.meta["prepared"][name])
+        assert all(not n.op.name.startswith(PREPARED_PREFIX) for n in recipe.find(Param))
+        assert [n.op.op_name for n in recipe.nodes()] == ["param", "slice"]
+    assert fold_weight_preparation(folded) is folded  # idempotent
+
+
+def test_folded_graph_computes_the_same_function(ckpt, split):
+    graph, optimized = split
+    folded = fold_weight_preparation(optimized)
+    checkpoint = Checkpoint.open(ckpt)
+    raw = load_params(checkpoint, graph, progress=False)
+    prepared = load_params(checkpoint, folded, progress=False, loaded=raw)
+    assert set(prepared) == {n.op.name for n in folded.find(Param)}
+    checker = EquivalenceChecker(graph, raw)
+    a = checker.outputs(optimized, "reference")
+    from qcompile.passes.equivalence import run_graph
+
+    b = run_graph(folded, prepared, checker.caches, checker.batch)
+    for key in a:
+        np.testing.assert_array_equal(a[key], b[key], err_msg=key)  # slices folded ahead of time: bitwise equal
+
+
+def test_load_params_reads_recipe_inputs_only(ckpt, split, monkeypatch):
+    _, optimized = split
+    folded = fold_weight_preparation(optimized)
+    checkpoint = Checkpoint.open(ckpt)
+    reads: list[str] = []
+    real = Checkpoint.load
+    monkeypatch.setattr(Checkpoint, "load", lambda self, name: (reads.append(name), real(self, name))[1])
+    load_params(checkpoint, folded, progress=False)
+    wanted = {n.op.name for n in folded.find(Param) if not n.op.name.startswith(PREPARED_PREFIX)}
+    for name in prepared_names(folded):
+        wanted |= {n.op.name for n in parse_graph(folded.meta["prepared"][name]).find(Param)}
+    assert set(reads) == wanted and all(not r.startswith(PREPARED_PREFIX) for r in reads)
+
+
+def test_artifact_stores_prepared_weights_and_run_prepares_nothing(ckpt, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(registry, "PASSES", {"split-linear": toy_passes.GOOD["split-linear"]})
+    out = tmp_path / "art"
+    code, _, err = cli(capsys, "--passes", "split-linear", str(ckpt), "-o", str(out), "--max-seqs", "2",
+                       "--max-context", "32", "--max-step-tokens", "8")
+    assert code == 0, err
+    manifest = json.loads((out / "manifest.json").read_text())
+    prepared = manifest["prepared_weights"]
+    assert prepared and all(k.startswith(PREPARED_PREFIX) for k in prepared)
+    from qcompile.frontend.safetensors_io import SafetensorsFile
+
+    stored = set(SafetensorsFile(out / "weights.safetensors").tensors)
+    assert set(prepared) <= stored
+
+    import qcompile.ir.weights as weights
+
+    def no_preparation(*args, **kwargs):
+        raise AssertionError("run ARTIFACT must not prepare weights")
+
+    monkeypatch.setattr(weights, "_evaluate", no_preparation)
+    code, from_artifact, err = cli(capsys, "run", str(out), "--prompt-ids", "5,6,7,8", "--max-new-tokens", "4",
+                                   "--ignore-eos")
+    assert code == 0, err
+    monkeypatch.undo()
+    code, from_checkpoint, err = cli(capsys, "run", str(ckpt), "--prompt-ids", "5,6,7,8", "--max-new-tokens", "4",
+                                     "--ignore-eos")
+    assert code == 0, err
+    assert from_artifact.strip() == from_checkpoint.strip()
