@@ -192,11 +192,14 @@ def randomize_(model, seed: int = 0) -> None:
 
 
 def make_hf_checkpoint(out_dir, family, *, seed=0, overrides: dict | None = None, stacked_experts: bool | None = None,
-                       dtype: str = "float32") -> pathlib.Path:
+                       dtype: str = "float32", embed_scale: float = 1.0) -> pathlib.Path:
     """Build a tiny random HF checkpoint of ``family`` in ``out_dir`` (see module docstring / spec section 4.3).
 
     stacked_experts None -> family default (qwen3_5_* stacked like the Hub, qwen3_next per-expert).
     The text weights of qwen3_5_moe and qwen3_5_moe_text built with the same seed/overrides are identical.
+    embed_scale multiplies the input embedding table (untied checkpoints only). With e.g. 0.01 the first layer's
+    input has a mean square of ~1e-4, like real Qwen embeddings (entries ~±0.01–0.03), where RMSNorm's eps is no
+    longer negligible: the checkpoint on which an eps mistake (1e-5 for 1e-6) shows in the logits.
     """
     if family not in FAMILIES:
         raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
@@ -210,6 +213,11 @@ def make_hf_checkpoint(out_dir, family, *, seed=0, overrides: dict | None = None
         torch.manual_seed(seed)
         model = _build_model(family, kw).eval()
     randomize_(model, seed)
+    if embed_scale != 1.0:
+        if kw["tie_word_embeddings"]:
+            raise ValueError("embed_scale needs untied embeddings (it would also scale the lm_head)")
+        with torch.no_grad():
+            model.get_input_embeddings().weight.mul_(float(embed_scale))
     model.to(tdtype)
     model.config.dtype = tdtype
     if family == "qwen3_5_moe":

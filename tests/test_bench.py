@@ -26,7 +26,8 @@ RUN_KEYS = {"engine", "passes", "concurrency", "input_len", "output_len", "prefi
             "total_tok_s"}
 
 
-FAKE_CEILINGS = {"threads": 2, "backend": "cpu", "copy_bytes_per_s": 1e10, "matmul_flops_per_s": {"f32": 1e11, "bf16": 1e11}}
+FAKE_CEILINGS = {"threads": 2, "backend": "cpu", "copy_bytes_per_s": 1e10, "read_bytes_per_s": 1e10,
+                 "bandwidth_bytes_per_s": 1e10, "matmul_flops_per_s": {"f32": 1e11, "bf16": 1e11}}
 
 
 @pytest.fixture(scope="module")

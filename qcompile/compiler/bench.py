@@ -159,7 +159,7 @@ def run_bench(opts: BenchOptions, emit=print) -> dict:
     log("measuring the machine's ceilings (copy bandwidth, matmul rate)")
     ceilings = measure_ceilings()
     emit(f"machine: {ceilings['backend']}, {ceilings['threads']} threads; copy {ceilings['copy_bytes_per_s'] / 1e9:.1f} "
-         f"GB/s; matmul f32 {ceilings['matmul_flops_per_s']['f32'] / 1e9:.0f} GFLOP/s, bf16 "
+         f"GB/s, read {ceilings['read_bytes_per_s'] / 1e9:.1f} GB/s; matmul f32 {ceilings['matmul_flops_per_s']['f32'] / 1e9:.0f} GFLOP/s, bf16 "
          f"{ceilings['matmul_flops_per_s']['bf16'] / 1e9:.0f} GFLOP/s")
     emit(f"workload: {shape_note}; concurrency {', '.join(map(str, opts.concurrency))}; seed {opts.seed}")
     runs: list[dict] = []

@@ -44,3 +44,37 @@ def causal_conv1d_reference(x, state, weight, query_start, state_slots, activati
     target = slot_or_drop(lengths > 0, state_slots, num_slots)
     new_state = state.at[target].set(new_cols, mode="drop")
     return y, new_state
+
+
+def causal_conv1d_cpu(x, state, weight, query_start, state_slots, activation: str | None = "silu"):
+    """Same contract and result as causal_conv1d_reference, without its [T,K,C] window gathers and [T,C,K-1] state
+    copy: tap j is a shifted slice of x (zero-padded in front), replaced by the cached column of the token's
+    sequence only where the tap reaches before the sequence's first new token, accumulated in f32 as fused
+    multiply-adds (the reference's per-channel einsum runs as C tiny dot products on CPU)."""
+    num_tokens, channels = x.shape
+    num_slots, _, width = state.shape
+    lay = token_layout(query_start, num_tokens)
+    slot = jnp.clip(state_slots[lay.seq], 0, num_slots - 1)
+    cached = jnp.swapaxes(state, 1, 2).reshape(num_slots * width, channels)  # row slot*(K-1)+col
+    x_pad = jnp.concatenate([jnp.zeros((width, channels), x.dtype), x])
+    w = weight.astype(jnp.float32)
+    acc = x.astype(jnp.float32) * w[:, width]  # tap K-1: the token itself
+    for j in range(width):
+        rel = lay.local + j - width  # position of tap j within the sequence
+        from_state = cached[slot * width + jnp.clip(width + rel, 0, width - 1)]
+        src = jnp.where((rel < 0)[:, None], from_state, x_pad[j:j + num_tokens])
+        acc = acc + src.astype(jnp.float32) * w[:, j]
+    y = acc.astype(x.dtype)
+    if activation == "silu":
+        y = jax.nn.silu(y)
+
+    lengths = lay.lengths
+    seq_slot = jnp.clip(state_slots, 0, num_slots - 1)
+    rel_s = lengths[:, None] - width + jnp.arange(width)[None, :]  # [B,K-1]
+    src_tok = jnp.clip(query_start[:-1, None] + rel_s, 0, num_tokens - 1)
+    new_from_x = jnp.swapaxes(x[src_tok], 1, 2)  # [B,C,K-1]
+    old = state[seq_slot]  # [B,C,K-1]
+    new_from_state = jnp.take_along_axis(old, jnp.clip(width + rel_s, 0, width - 1)[:, None, :], axis=2)
+    new_cols = jnp.where((rel_s >= 0)[:, None, :], new_from_x, new_from_state).astype(state.dtype)
+    target = slot_or_drop(lengths > 0, state_slots, num_slots)
+    return y, state.at[target].set(new_cols, mode="drop")

@@ -43,3 +43,117 @@ def paged_attention_reference(q, k_pages, v_pages, positions, query_start, page_
     probs = jax.nn.softmax(scores, axis=-1).astype(v_pages.dtype)
     out = jnp.einsum("thgs,tshd->thgd", probs, values[lay.seq], precision=HIGHEST, preferred_element_type=jnp.float32)
     return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
+
+
+def _flash_blocks(qi, row_pos, item_pages, k_pages, v_pages, num_blocks, block_pages: int):
+    """Online-softmax attention of W work items over their first `num_blocks` KV blocks (a traced bound).
+
+    qi [W,Hkv,R,hd] f32 (already scaled); row_pos [W,R] (a row sees keys at positions ≤ row_pos; -1: none);
+    item_pages [W,M] page table row of each item. Returns [W,Hkv,R,hd] f32 (rows that see no key: 0).
+    """
+    items, kv_heads, num_rows, head_dim = qi.shape
+    page_size = k_pages.shape[1]
+    pages_per_seq = item_pages.shape[1]
+    block = block_pages * page_size
+    max_keys = pages_per_seq * page_size
+
+    def body(carry):
+        i, m, l, acc = carry
+        cols = jnp.clip(i * block_pages + jnp.arange(block_pages), 0, pages_per_seq - 1)
+        pages = item_pages[:, cols]  # [W,nbp]
+        kb = jnp.swapaxes(k_pages[pages].reshape(items, block, kv_heads, head_dim), 1, 2).astype(jnp.float32)
+        vb = jnp.swapaxes(v_pages[pages].reshape(items, block, kv_heads, head_dim), 1, 2).astype(jnp.float32)
+        key_pos = i * block + jnp.arange(block)
+        s = jnp.einsum("whrd,whkd->whrk", qi, kb, precision=HIGHEST)  # [W,Hkv,R,blk]
+        ok = (key_pos[None, None, :] <= row_pos[:, :, None]) & (key_pos < max_keys)[None, None, :]  # [W,R,blk]
+        s = jnp.where(ok[:, None], s, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        alpha = jnp.exp(m - m_new)
+        p = jnp.exp(s - m_new[..., None])
+        l = l * alpha + jnp.sum(p, axis=-1)
+        acc = acc * alpha[..., None] + jnp.einsum("whrk,whkd->whrd", p, vb, precision=HIGHEST)
+        return i + 1, m_new, l, acc
+
+    shape = (items, kv_heads, num_rows)
+    init = (jnp.int32(0), jnp.full(shape, -1e30, jnp.float32), jnp.zeros(shape, jnp.float32),
+            jnp.zeros((*shape, head_dim), jnp.float32))
+    _, _, l, acc = jax.lax.while_loop(lambda c: c[0] < num_blocks, body, init)
+    return acc / jnp.where(l > 0, l, 1.0)[..., None]
+
+
+def _num_blocks(max_pos, block: int, limit: int):
+    return jnp.clip((max_pos + block) // block, 1, limit)
+
+
+def paged_attention_cpu(q, k_pages, v_pages, positions, query_start, page_table, scale: float, *,
+                        decode_block_pages: int | None = None, prefill_block_pages: int | None = None,
+                        tile: int = 32):
+    """Same contract and result as paged_attention_reference; the cost follows the live context, not max_context.
+
+    Flash decoding in f32: a while_loop walks KV blocks of a few pages up to the live bound (a traced value), with
+    an online softmax, gathering each block once per work item (never a per-token copy of every page).
+    - T ≤ B (decode buckets): every token slot is one work item, all items advance together, up to the largest
+      position in the batch.
+    - T > B: tokens of one-token sequences (decode rows of a mixed batch) go as above (≤ B items, vectorised); the
+      sequences with ≥ 2 tokens are cut into query tiles of `tile` tokens, processed one tile at a time (a while_loop
+      over a traced count), each tile walking only the KV blocks up to its own last position (causal skip).
+    Padding rows get the reference's value (attention to key 0 of sequence B-1). Defaults (measured on CPU at the
+    bench preset, docs/cpu_rules_attention.md): decode blocks of 32 keys, prefill tiles of 32 tokens and blocks of
+    64 keys.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    _, page_size, kv_heads, _ = k_pages.shape
+    num_seqs, pages_per_seq = page_table.shape
+    group = num_heads // kv_heads
+    dbp = max(1, min(pages_per_seq, decode_block_pages or max(1, 32 // page_size)))
+    pbp = max(1, min(pages_per_seq, prefill_block_pages or max(1, 64 // page_size)))
+    lay = token_layout(query_start, num_tokens)
+    qf = q.astype(jnp.float32) * scale
+
+    def vectorised(tok, seq, ok):
+        """Items = single tokens `tok` [W] of sequences `seq` [W] (ok [W]: is a live token) -> [W,Hq,hd]."""
+        rows = tok.shape[0]
+        qi = qf[tok].reshape(rows, kv_heads, group, head_dim)  # [W,Hkv,g,hd]: one row per head of the group
+        row_pos = jnp.repeat(jnp.where(ok, positions[tok], -1)[:, None], group, axis=1)
+        nb = _num_blocks(jnp.max(jnp.where(ok, positions[tok], 0)), dbp * page_size, -(-pages_per_seq // dbp))
+        out = _flash_blocks(qi, row_pos, page_table[seq], k_pages, v_pages, nb, dbp)
+        return out.reshape(rows, num_heads, head_dim)
+
+    if num_tokens <= num_seqs:
+        out = vectorised(jnp.arange(num_tokens), lay.seq, lay.valid)
+    else:
+        # Decode rows: sequence b's single token.
+        single = lay.lengths == 1
+        tok_b = jnp.clip(query_start[:-1], 0, num_tokens - 1)
+        dec = vectorised(tok_b, jnp.arange(num_seqs), single)  # [B,Hq,hd]
+        # Multi-token sequences: query tiles, one at a time.
+        tiles = jnp.where(lay.lengths >= 2, (lay.lengths + tile - 1) // tile, 0)
+        offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(tiles).astype(jnp.int32)])
+        q_pad = jnp.concatenate([qf, jnp.zeros((tile, num_heads, head_dim), jnp.float32)])
+        pos_pad = jnp.concatenate([positions, jnp.zeros((tile,), positions.dtype)])
+        blocks_max = -(-pages_per_seq // pbp)
+
+        def tile_body(carry):
+            w, buf = carry
+            b = jnp.clip(jnp.searchsorted(offsets[:-1], w, side="right").astype(jnp.int32) - 1, 0, num_seqs - 1)
+            first = (w - offsets[b]) * tile
+            start = query_start[b] + first
+            rows = jnp.minimum(tile, lay.lengths[b] - first)
+            live = jnp.arange(tile) < rows
+            qt = jax.lax.dynamic_slice_in_dim(q_pad, start, tile).reshape(tile, kv_heads, group, head_dim)
+            qt = jnp.moveaxis(qt, 1, 0).reshape(1, kv_heads, tile * group, head_dim)
+            pt = jax.lax.dynamic_slice_in_dim(pos_pad, start, tile)
+            row_pos = jnp.repeat(jnp.where(live, pt, -1), group)[None]
+            nb = _num_blocks(jnp.max(jnp.where(live, pt, 0)), pbp * page_size, blocks_max)
+            o = _flash_blocks(qt, row_pos, page_table[b][None], k_pages, v_pages, nb, pbp)
+            o = jnp.moveaxis(o.reshape(kv_heads, tile, group, head_dim), 0, 1).reshape(tile, num_heads, head_dim)
+            old = jax.lax.dynamic_slice_in_dim(buf, start, tile)
+            buf = jax.lax.dynamic_update_slice_in_dim(buf, jnp.where(live[:, None, None], o, old), start, 0)
+            return w + 1, buf
+
+        buf = jnp.zeros((num_tokens + tile, num_heads, head_dim), jnp.float32)
+        _, buf = jax.lax.while_loop(lambda c: c[0] < offsets[-1], tile_body, (jnp.int32(0), buf))
+        out = jnp.where(single[lay.seq][:, None, None], dec[lay.seq], buf[:num_tokens])
+    pad = v_pages[page_table[num_seqs - 1, 0], 0].astype(jnp.float32)  # [Hkv,hd]: the reference's padding row
+    out = jnp.where(lay.valid[:, None, None], out, jnp.repeat(pad, group, axis=0)[None])
+    return out.astype(q.dtype)

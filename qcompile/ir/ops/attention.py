@@ -7,7 +7,7 @@ import jax.numpy as jnp
 
 from qcompile.ir.cost import Cost, cost, nbytes
 from qcompile.ir.registry import expect, lowering, op, type_rule
-from qcompile.kernels.paged_attention import kv_cache_write_reference, paged_attention_reference
+from qcompile.kernels.paged_attention import kv_cache_write_reference, paged_attention_cpu, paged_attention_reference
 
 
 @op("rope")
@@ -88,6 +88,12 @@ def _attention_type(op_, q, k_pages, v_pages, positions, query_start, page_table
 @lowering(PagedAttention)
 def _attention(op_, q, k_pages, v_pages, positions, query_start, page_table):
     return paged_attention_reference(q, k_pages, v_pages, positions, query_start, page_table, op_.scale)
+
+
+@lowering(PagedAttention, "cpu")
+def _attention_cpu(op_, q, k_pages, v_pages, positions, query_start, page_table):
+    """Cost follows each sequence's live context (blocks of keys up to its position, online softmax), not M·ps."""
+    return paged_attention_cpu(q, k_pages, v_pages, positions, query_start, page_table, op_.scale)
 
 
 @cost(KvCacheWrite)

@@ -10,8 +10,8 @@ import jax.numpy as jnp
 from qcompile.ir.cost import Cost, cost, nbytes
 from qcompile.ir.registry import expect, lowering, op, type_rule
 from qcompile.ir.types import TensorType
-from qcompile.kernels.causal_conv1d import causal_conv1d_reference
-from qcompile.kernels.gdn import gdn_chunked_reference, gdn_recurrent_reference
+from qcompile.kernels.causal_conv1d import causal_conv1d_cpu, causal_conv1d_reference
+from qcompile.kernels.gdn import gdn_chunked_reference, gdn_recurrence_cpu, gdn_recurrent_reference
 
 
 @op("causal_conv1d")
@@ -36,6 +36,12 @@ def _conv_type(op_, x, state, w, query_start, slots):
 @lowering(CausalConv1d)
 def _conv(op_, x, state, w, query_start, slots):
     return causal_conv1d_reference(x, state, w, query_start, slots, op_.activation)
+
+
+@lowering(CausalConv1d, "cpu")
+def _conv_cpu(op_, x, state, w, query_start, slots):
+    """Shifted slices of x instead of a [T,K,C] window gather; the state read only where a tap reaches it."""
+    return causal_conv1d_cpu(x, state, w, query_start, slots, op_.activation)
 
 
 @op("gdn_gates")
@@ -90,6 +96,26 @@ def _recurrence_type(op_, q, k, v, g, beta, state, query_start, slots):
 
 def l2_normalize(x, eps: float = 1e-6):
     return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+def _normalized(q, k, v):
+    """q, k L2-normalised (q also scaled by dk^-0.5) and repeated to the value heads; v in f32."""
+    ratio = v.shape[1] // q.shape[1]
+    dk = q.shape[2]
+    qf = jnp.repeat(l2_normalize(q.astype(jnp.float32)) * dk**-0.5, ratio, axis=1)
+    kf = jnp.repeat(l2_normalize(k.astype(jnp.float32)), ratio, axis=1)
+    return qf, kf, v.astype(jnp.float32)
+
+
+@lowering(GdnRecurrence, "cpu")
+def _recurrence_cpu(op_, q, k, v, g, beta, state, query_start, slots):
+    """Decode batches update every state slot in one vectorised step; other batches scan token by token (faster on
+    CPU than the chunked form at every measured size). An explicit mode is honoured as in the reference."""
+    if op_.mode != "auto":
+        return _recurrence(op_, q, k, v, g, beta, state, query_start, slots)
+    qf, kf, vf = _normalized(q, k, v)
+    out, new_state = gdn_recurrence_cpu(qf, kf, vf, g, beta, state, query_start, slots, op_.chunk_size)
+    return out.astype(v.dtype), new_state
 
 
 @lowering(GdnRecurrence)

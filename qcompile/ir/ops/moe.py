@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from qcompile.ir.cost import Cost, cost, nbytes
 from qcompile.ir.registry import expect, lowering, op, type_rule
+from qcompile.kernels.grouped_matmul import grouped_matmul_cpu
 from qcompile.ir.types import TensorType, dim_mul
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -87,6 +88,13 @@ def _gmm_type(op_, rows, w, group_sizes):
     expect(group_sizes.shape == (w.shape[0],), f"group_sizes {group_sizes} do not match {w.shape[0]} experts")
     expect(rows.dtype == w.dtype, f"grouped_matmul dtypes differ: {rows.dtype} vs {w.dtype}")
     return rows.with_shape((rows.shape[0], w.shape[1]))
+
+
+@lowering(GroupedMatmul, "cpu")
+def _gmm_cpu(op_, rows, w, group_sizes):
+    """Without ragged_dot's E× expansion: one matvec per routed row at decode sizes, else a loop over the row blocks
+    in use (kernels/grouped_matmul.py has the measured table behind the choice)."""
+    return grouped_matmul_cpu(rows, w, group_sizes)
 
 
 @lowering(GroupedMatmul)
