@@ -256,7 +256,8 @@ def run_cmd(checkpoint, prompt_ids, max_new_tokens, dtype, save_logits, ignore_e
     if as_json:
         click.echo(json.dumps({"prompt_ids": ids, "tokens": tokens, "finish_reason": finish_reason,
                                "eos_token_ids": list(eos_ids), "dtype": graph_dtype, "family": family,
-                               "seconds": {"load": round(loaded - started, 3), "generate": round(done - loaded, 3)}}))
+                               "seconds": {"load": round(loaded - started, 3), "generate": round(done - loaded, 3),
+                                           "first_token": round(result["first_token_at"] - started, 3)}}))
     else:
         click.echo(",".join(str(t) for t in tokens))
 

@@ -11,6 +11,9 @@ import sys
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Artifacts turn on JAX's persistent compilation cache; the suite keeps it off (tests/test_artifact.py turns it on in
+# subprocesses of its own) so that no test writes under the user's home.
+os.environ.setdefault("QCOMPILE_CACHE_DIR", "off")
 sys.path.insert(0, str(Path(__file__).parent))
 
 import pytest  # noqa: E402

@@ -240,3 +240,33 @@ def test_overwrites_an_existing_artifact(built, tmp_path):
     assert art.program.buckets == [(1, 1)]
     with pytest.raises(UsageError):
         art.program.token_bucket(2)
+
+
+_CACHE_PROBE = """
+import sys, jax.monitoring
+hits = []
+jax.monitoring.register_event_listener(lambda name, **kw: hits.append(name))
+from qcompile.runtime.artifact import load_artifact
+art = load_artifact(sys.argv[1])
+tokens = art.engine().generate([[3, 17, 42, 9]], 3)["tokens"]
+print(sum(h == "/jax/compilation_cache/cache_hits" for h in hits), tokens)
+"""
+
+
+def test_second_run_of_an_artifact_loads_compiled_executables(built, tmp_path):
+    """The persistent compilation cache keyed by the artifact: a second process compiles nothing it already did."""
+    import os
+    import subprocess
+    import sys
+
+    _, out, _ = built
+    env = {**os.environ, "QCOMPILE_CACHE_DIR": str(tmp_path / "cache"), "JAX_PLATFORMS": "cpu"}
+    runs = [subprocess.run([sys.executable, "-c", _CACHE_PROBE, str(out)], env=env, capture_output=True, text=True,
+                           timeout=300) for _ in range(2)]
+    for run in runs:
+        assert run.returncode == 0, run.stderr
+    (cold_hits, cold_tokens), (warm_hits, warm_tokens) = [r.stdout.strip().split(" ", 1) for r in runs]
+    assert int(cold_hits) == 0 and int(warm_hits) >= 2  # at least the prefill and the decode bucket
+    assert cold_tokens == warm_tokens
+    entries = list((tmp_path / "cache" / "xla").iterdir())
+    assert len(entries) == 1 and any(entries[0].iterdir())  # one directory, keyed by this artifact

@@ -211,6 +211,35 @@ def _check_exported(path: Path, exported, manifest: dict, expected) -> None:
                                 f"{_shape_text(spec)}: mismatched artifact")
 
 
+#: Where compiled executables of artifacts are cached across processes (override with QCOMPILE_CACHE_DIR; "off"
+#: disables the cache).
+CACHE_ENV = "QCOMPILE_CACHE_DIR"
+
+
+def use_compilation_cache(manifest: dict) -> Path | None:
+    """Point JAX's persistent compilation cache at a directory keyed by the artifact's file hashes, so a second
+    `run`/`bench`/`serve` of the same artifact loads the XLA executables instead of compiling them again.
+
+    The cache is per process (JAX holds one directory); entries are keyed by XLA by the computation and platform, and
+    the directory by the artifact, so deleting one artifact's cache never touches another's.
+    """
+    import os
+
+    root = os.environ.get(CACHE_ENV) or str(Path.home() / ".cache" / "qcompile")
+    if root.lower() in ("off", "0", "none", ""):
+        return None
+    key = hashlib.sha256(json.dumps(manifest.get("files", {}), sort_keys=True).encode()).hexdigest()[:16]
+    path = Path(root) / "xla" / key
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return None  # an unwritable cache only costs compile time
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return path
+
+
 class ExportedProgram:
     """A step program backed by deserialized jax.export executables, one per (tokens, rows) bucket.
 
@@ -327,4 +356,5 @@ def load_artifact(path, verify_hashes: bool = True) -> ArtifactModel:
         exported[(tokens, rows)] = (exp, with_logits)
     params = {name: jnp.asarray(weights.read(name)) for name in weights.tensors}
     program = ExportedProgram(page_size, cache_types, exported)
+    use_compilation_cache(manifest)
     return ArtifactModel(root, manifest, params, program)

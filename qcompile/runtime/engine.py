@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import math
+import time
 import weakref
 
 import attrs
@@ -197,6 +198,7 @@ class Engine:
         kept: list[list[np.ndarray]] = [[] for _ in prompts]
         try:
             first = self.prefill(list(zip(seqs, prompts)), all_logits=prompt_logits, with_logits=step_logits)
+            first_token_at = time.perf_counter()
             if prompt_logits:
                 last = [x[-1] for x in first]
             else:
@@ -237,7 +239,7 @@ class Engine:
         finally:
             for seq in seqs:
                 self.release(seq)
-        result = {"tokens": tokens, "finish_reasons": reasons}
+        result = {"tokens": tokens, "finish_reasons": reasons, "first_token_at": first_token_at}
         if step_logits:
             result["step_logits"] = kept
         if prompt_logits:
