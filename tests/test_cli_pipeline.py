@@ -50,7 +50,7 @@ def test_compile_prints_one_line_per_pass_and_reports_them(toy_registry, ckpt, c
     swap = next(line for line in lines if line.strip().startswith("swap-add"))
     assert "applied" in swap and "swapped=" in swap and "max error 0.00e+00" in swap and swap.endswith("s")
     assert "skipped   needs 2+ devices, have 1" in out
-    assert "optimized vs unoptimized" in out and " ok " in out
+    assert "optimized (cpu rules) vs reference" in out and " ok " in out
     report = json.loads((tmp_path / "r.json").read_text())
     records = {r["name"]: r for r in report["passes"]["passes"]}
     assert records["swap-add"]["status"] == "applied" and records["swap-add"]["check"]["max_error"] == 0.0

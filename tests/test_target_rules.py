@@ -140,3 +140,17 @@ def test_target_rule_matches_reference(rule, batch, dtype):
         assert scale > 0
         err = np.abs(g64 - r64).max() / scale
         assert err <= BOUND[dtype], f"{rule} {batch} {dtype} output {index}: relative error {err:.3g}"
+
+
+def test_a_wrong_target_rule_is_caught(monkeypatch):
+    """The comparison can fail: a gpu linear rule off by 0.1% (x·wᵀ·0.999) is flagged,
+    and an uncovered op's target rule makes the coverage test fail."""
+    from qcompile.ir import registry
+    from qcompile.ir.ops.core import Add
+
+    monkeypatch.setitem(registry.LOWERINGS, (Linear, "gpu"), lambda op, x, w: (x @ w.T) * 0.999)
+    with pytest.raises(AssertionError, match="relative error"):
+        test_target_rule_matches_reference("linear@gpu", "decode", "f32")
+    monkeypatch.setitem(registry.LOWERINGS, (Add, "gpu"), lambda op, x, y: x + y)
+    with pytest.raises(AssertionError, match="add"):
+        test_every_target_rule_has_cases()

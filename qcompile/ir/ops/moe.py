@@ -14,10 +14,9 @@ import jax.numpy as jnp
 
 from qcompile.ir.cost import Cost, cost, nbytes
 from qcompile.ir.registry import expect, lowering, op, type_rule
-from qcompile.kernels.grouped_matmul import grouped_matmul_cpu
+from qcompile.kernels.grouped_matmul import grouped_matmul_cpu, grouped_matmul_reference
 from qcompile.ir.types import TensorType, dim_mul
 
-HIGHEST = jax.lax.Precision.HIGHEST
 
 
 @op("router_topk")
@@ -99,9 +98,7 @@ def _gmm_cpu(op_, rows, w, group_sizes):
 
 @lowering(GroupedMatmul)
 def _gmm(op_, rows, w, group_sizes):
-    out = jax.lax.ragged_dot(rows, jnp.swapaxes(w, 1, 2), group_sizes, precision=HIGHEST,
-                             preferred_element_type=jnp.float32)
-    return out.astype(rows.dtype)
+    return grouped_matmul_reference(rows, w, group_sizes)
 
 
 @op("moe_combine")
