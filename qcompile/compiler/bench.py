@@ -283,7 +283,7 @@ def plot(runs: list[dict], path: Path) -> None:
     except ImportError:
         raise UsageError("--plot needs matplotlib; install the bench extra: pip install 'qcompile[bench]'") from None
     labels = [f"{r['engine']}\n{r['passes']}\nc={r['concurrency']}" for r in runs]
-    fig, axes = plt.subplots(1, 2, figsize=(max(8, 1.3 * len(runs)), 4.5))
+    fig, axes = plt.subplots(1, 2, figsize=(max(8, 2.0 * len(runs)), 4.5))
     x = np.arange(len(runs))
     for ax, key, roof, title in ((axes[0], "prefill_tok_s", "roofline_prefill", "prefill"),
                                  (axes[1], "decode_tok_s", "roofline_decode", "decode")):

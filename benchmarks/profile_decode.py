@@ -1,0 +1,36 @@
+"""Profile decode steps of the bench preset with jax.profiler and print the HLO ops that take the most time per step.
+
+Run: python benchmarks/profile_decode.py CONCURRENCY  (needs /tmp/bench from `qcompile init-tiny /tmp/bench --preset bench`;
+results quoted in docs/benchmarks.md)."""
+import sys, time, glob, gzip, json, collections, os
+import jax, numpy as np
+from qcompile.runtime.model import load_model
+from qcompile.ir.abi import CacheConfig
+c = int(sys.argv[1]) if len(sys.argv) > 1 else 1
+m = load_model("/tmp/bench", progress=False)
+eng = m.engine(CacheConfig(max_seqs=c, max_context=160, max_step_tokens=512))
+seqs = [eng.add_sequence() for _ in range(c)]
+rng = np.random.default_rng(0)
+first = eng.prefill([(s, rng.integers(3, 32000, 128).tolist()) for s in seqs], with_logits=False)
+last = list(first)
+for _ in range(3):
+    last = eng.step_tokens([(s, [t]) for s, t in zip(seqs, last)])
+t = time.perf_counter()
+for _ in range(10):
+    last = eng.step_tokens([(s, [t]) for s, t in zip(seqs, last)])
+print("decode step ms", (time.perf_counter() - t) / 10 * 1e3)
+os.system("rm -rf /tmp/trace")
+jax.profiler.start_trace("/tmp/trace", create_perfetto_trace=True)
+for _ in range(5):
+    last = eng.step_tokens([(s, [t]) for s, t in zip(seqs, last)])
+jax.profiler.stop_trace()
+f = glob.glob("/tmp/trace/**/*.trace.json.gz", recursive=True)[0]
+ev = json.load(gzip.open(f))
+evs = ev["traceEvents"] if isinstance(ev, dict) else ev
+agg = collections.Counter(); cnt = collections.Counter()
+for e in evs:
+    if e.get("ph") == "X" and "dur" in e:
+        agg[e["name"]] += e["dur"]; cnt[e["name"]] += 1
+tot = 0
+for name, d in agg.most_common(40):
+    print(f"{d/5/1e3:8.2f} ms/step  x{cnt[name]//5:4d}  {name[:100]}")
