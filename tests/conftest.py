@@ -64,3 +64,20 @@ def write_small(path, family: str = "qwen3_5_moe", seed: int = 0, layer_types=("
     text["num_hidden_layers"] = len(layer_types)
     text["layer_types"] = list(layer_types)
     return write_checkpoint(path, config, seed=seed)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_executables():
+    """Drop JAX's compiled executables after each test module.
+
+    Every XLA CPU executable maps memory for its code; one process running the whole suite compiles thousands and
+    reached Linux's default limit of 65,530 mappings (vm.max_map_count), after which XLA crashed inside a compile
+    (SIGSEGV / SIGABRT). Clearing the caches unmaps them; later modules recompile what they use.
+    """
+    yield
+    import gc
+
+    import jax
+
+    jax.clear_caches()
+    gc.collect()

@@ -7,10 +7,11 @@ catches any wrong expert / wrong row (O(1) errors). bf16: operands are bf16, acc
 bf16 (2^-8 ≈ 4e-3 relative at worst); BF16_REL = 1e-2. Padding rows (past sum(group_sizes)) must come back 0, as the
 reference's do.
 
-These tests run in a process of their own (`test_strategies_in_a_fresh_process` below starts it): in the long
-single-process suite, XLA CPU crashed (SIGSEGV / SIGABRT inside backend compile) three times while compiling these
-standalone kernels after ~400 other tests, and never when the file ran alone; the crash is inside XLA, not in what
-these tests check, and a fresh process keeps the suite's verdict about the kernels rather than about XLA's state.
+These tests run in a process of their own (`test_strategies_in_a_fresh_process` below starts it). They compile many
+small executables; in the long single-process suite XLA crashed here (SIGSEGV / SIGABRT inside a compile) once the
+process reached Linux's limit of 65,530 memory mappings — every XLA CPU executable maps its code. conftest.py now
+clears JAX's caches after each module, and this file, the heaviest compiler of distinct executables, also keeps its
+own mappings out of the suite's process.
 """
 
 from __future__ import annotations
