@@ -232,6 +232,26 @@ def bench_engine(engine, label: str, passes: str, prompts: list[list[int]], outp
     return m
 
 
+def _timed_step(engine, work, phase: str, m: Measurement | None, roofline: Roofline | None, probes: dict,
+                graph: Graph | None, target: str) -> tuple[list[int], float]:
+    """One engine step of `phase` (prefill | decode), timed and added to `m` with its roofline time; the first step
+    of each phase also probes the experts its batch routes to. Returns the next tokens and the step's end time."""
+    new = [len(tokens) for _, tokens in work]
+    contexts = [seq.length + n for (seq, _), n in zip(work, new)]
+    started = time.perf_counter()
+    nexts = engine.step_tokens(work)
+    ended = time.perf_counter()
+    if graph is not None and probes[phase] is None:
+        probes[phase] = probe_experts(graph, target, engine.params, engine.caches, engine.last_batch)
+    if m is not None:
+        setattr(m, f"{phase}_seconds", getattr(m, f"{phase}_seconds") + ended - started)
+        setattr(m, f"{phase}_tokens", getattr(m, f"{phase}_tokens") + sum(new))
+        if roofline is not None:
+            extra = roofline.seconds(new, contexts, len(work), probes[phase])
+            setattr(m, f"roofline_{phase}_seconds", getattr(m, f"roofline_{phase}_seconds") + extra)
+    return nexts, ended
+
+
 def _serve_wave(engine, prompts, output_len, m: Measurement | None, roofline: Roofline | None, probes: dict,
                 graph: Graph | None, target: str, stop) -> None:
     seqs = [engine.add_sequence() for _ in prompts]
@@ -251,18 +271,7 @@ def _serve_wave(engine, prompts, output_len, m: Measurement | None, roofline: Ro
                     work.append((seqs[i], take))
                     owners.append(i)
                     left -= len(take)
-            contexts = [s.length + len(t) for s, t in work]
-            new = [len(t) for _, t in work]
-            t0 = time.perf_counter()
-            nexts = engine.step_tokens(work)
-            t1 = time.perf_counter()
-            if graph is not None and probes["prefill"] is None:
-                probes["prefill"] = probe_experts(graph, target, engine.params, engine.caches, engine.last_batch)
-            if m is not None:
-                m.prefill_seconds += t1 - t0
-                m.prefill_tokens += sum(new)
-                if roofline is not None:
-                    m.roofline_prefill_seconds += roofline.seconds(new, contexts, len(work), probes["prefill"])
+            nexts, t1 = _timed_step(engine, work, "prefill", m, roofline, probes, graph, target)
             for i, tok in zip(owners, nexts):
                 if not pending[i]:
                     last[i] = tok
@@ -271,18 +280,7 @@ def _serve_wave(engine, prompts, output_len, m: Measurement | None, roofline: Ro
             stop()
         for _ in range(output_len - 1):
             work = [(s, [last[i]]) for i, s in enumerate(seqs)]
-            contexts = [s.length + 1 for s in seqs]
-            t0 = time.perf_counter()
-            nexts = engine.step_tokens(work)
-            t1 = time.perf_counter()
-            if graph is not None and probes["decode"] is None:
-                probes["decode"] = probe_experts(graph, target, engine.params, engine.caches, engine.last_batch)
-            if m is not None:
-                m.decode_seconds += t1 - t0
-                m.decode_tokens += len(work)
-                if roofline is not None:
-                    m.roofline_decode_seconds += roofline.seconds([1] * len(work), contexts, len(work),
-                                                                  probes["decode"])
+            nexts, t1 = _timed_step(engine, work, "decode", m, roofline, probes, graph, target)
             for i, tok in enumerate(nexts):
                 last[i] = tok
                 token_times[i].append(t1)

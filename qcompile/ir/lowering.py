@@ -92,5 +92,6 @@ def step_function(graph: Graph, target: str = "reference", with_logits: bool = T
 
 def target_rules_used(graph: Graph, target: str) -> list[str]:
     """Names of the ops of `graph` that `target` lowers with a rule of its own (not the reference rule)."""
-    return sorted({node.op.op_name for node in graph.nodes() if (type(node.op), target) in LOWERINGS
-                   and target != "reference"})
+    if target == "reference":
+        return []
+    return sorted({node.op.op_name for node in graph.nodes() if (type(node.op), target) in LOWERINGS})

@@ -13,6 +13,21 @@ import jax.numpy as jnp
 from qcompile.kernels.ragged import slot_or_drop, token_layout
 
 
+def _new_state(x, state, query_start, state_slots, lengths):
+    """Each sequence with n_b > 0 new tokens: column m of its new state is position n_b-(K-1)+m of [state ‖ x_b]."""
+    num_tokens = x.shape[0]
+    num_slots, _, width = state.shape
+    seq_slot = jnp.clip(state_slots, 0, num_slots - 1)
+    rel_s = lengths[:, None] - width + jnp.arange(width)[None, :]  # [B,K-1]
+    src_tok = jnp.clip(query_start[:-1, None] + rel_s, 0, num_tokens - 1)
+    new_from_x = jnp.swapaxes(x[src_tok], 1, 2)  # [B,C,K-1]
+    old = state[seq_slot]  # [B,C,K-1]
+    new_from_state = jnp.take_along_axis(old, jnp.clip(width + rel_s, 0, width - 1)[:, None, :], axis=2)
+    new_cols = jnp.where((rel_s >= 0)[:, None, :], new_from_x, new_from_state).astype(state.dtype)
+    target = slot_or_drop(lengths > 0, state_slots, num_slots)
+    return state.at[target].set(new_cols, mode="drop")
+
+
 def causal_conv1d_reference(x, state, weight, query_start, state_slots, activation: str | None = "silu"):
     """x [T,C], state [S,C,K-1], weight [C,K] -> (y [T,C] in x.dtype, new state [S,C,K-1])."""
     num_tokens, channels = x.shape
@@ -32,18 +47,7 @@ def causal_conv1d_reference(x, state, weight, query_start, state_slots, activati
     if activation == "silu":
         y = jax.nn.silu(y)
 
-    # New state: for sequence b with n_b > 0 tokens, column m holds position n_b-(K-1)+m of [state ‖ x_b].
-    lengths = lay.lengths
-    seq_slot = jnp.clip(state_slots, 0, num_slots - 1)
-    rel_s = lengths[:, None] - width + jnp.arange(width)[None, :]  # [B,K-1]
-    src_tok = jnp.clip(query_start[:-1, None] + rel_s, 0, num_tokens - 1)
-    new_from_x = jnp.swapaxes(x[src_tok], 1, 2)  # [B,C,K-1]
-    old = state[seq_slot]  # [B,C,K-1]
-    new_from_state = jnp.take_along_axis(old, jnp.clip(width + rel_s, 0, width - 1)[:, None, :], axis=2)
-    new_cols = jnp.where((rel_s >= 0)[:, None, :], new_from_x, new_from_state).astype(state.dtype)
-    target = slot_or_drop(lengths > 0, state_slots, num_slots)
-    new_state = state.at[target].set(new_cols, mode="drop")
-    return y, new_state
+    return y, _new_state(x, state, query_start, state_slots, lay.lengths)
 
 
 def causal_conv1d_cpu(x, state, weight, query_start, state_slots, activation: str | None = "silu"):
@@ -68,13 +72,4 @@ def causal_conv1d_cpu(x, state, weight, query_start, state_slots, activation: st
     if activation == "silu":
         y = jax.nn.silu(y)
 
-    lengths = lay.lengths
-    seq_slot = jnp.clip(state_slots, 0, num_slots - 1)
-    rel_s = lengths[:, None] - width + jnp.arange(width)[None, :]  # [B,K-1]
-    src_tok = jnp.clip(query_start[:-1, None] + rel_s, 0, num_tokens - 1)
-    new_from_x = jnp.swapaxes(x[src_tok], 1, 2)  # [B,C,K-1]
-    old = state[seq_slot]  # [B,C,K-1]
-    new_from_state = jnp.take_along_axis(old, jnp.clip(width + rel_s, 0, width - 1)[:, None, :], axis=2)
-    new_cols = jnp.where((rel_s >= 0)[:, None, :], new_from_x, new_from_state).astype(state.dtype)
-    target = slot_or_drop(lengths > 0, state_slots, num_slots)
-    return y, state.at[target].set(new_cols, mode="drop")
+    return y, _new_state(x, state, query_start, state_slots, lay.lengths)

@@ -205,8 +205,9 @@ class Engine:
                 last = first
             if prompt_logits or step_logits:
                 tokens = [[int(np.argmax(x))] for x in last]
-                for keep, x in zip(kept, last):
-                    keep.append(x)
+                if step_logits:
+                    for keep, x in zip(kept, last):
+                        keep.append(x)
             else:
                 tokens = [[int(t)] for t in last]
             reasons: list[str | None] = [None] * len(prompts)
