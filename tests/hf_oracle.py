@@ -28,7 +28,7 @@ torch.set_num_threads(2)
 
 FAMILIES = ("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 # Default tiny dims (distinct on purpose so that shapes reveal a transposed layout).
 DEFAULT_TEXT_KWARGS = dict(
@@ -116,7 +116,7 @@ def _text_kwargs(family: str, overrides: dict | None) -> dict:
     return kw
 
 
-def _build_model(family: str, kw: dict):
+def _build_model(family: str, kw: dict, wrapper_tie: bool | None = None):
     import transformers as tf
 
     if family == "qwen3_next":
@@ -129,7 +129,7 @@ def _build_model(family: str, kw: dict):
         cfg = tf.Qwen3_5MoeConfig(
             text_config=kw,
             vision_config=vision,
-            tie_word_embeddings=kw["tie_word_embeddings"],
+            tie_word_embeddings=kw["tie_word_embeddings"] if wrapper_tie is None else wrapper_tie,
             image_token_id=vocab - 4,
             video_token_id=vocab - 3,
             vision_start_token_id=vocab - 2,
@@ -192,7 +192,8 @@ def randomize_(model, seed: int = 0) -> None:
 
 
 def make_hf_checkpoint(out_dir, family, *, seed=0, overrides: dict | None = None, stacked_experts: bool | None = None,
-                       dtype: str = "float32", embed_scale: float = 1.0) -> pathlib.Path:
+                       dtype: str = "float32", embed_scale: float = 1.0,
+                       wrapper_tie: bool | None = None) -> pathlib.Path:
     """Build a tiny random HF checkpoint of ``family`` in ``out_dir`` (see module docstring / spec section 4.3).
 
     stacked_experts None -> family default (qwen3_5_* stacked like the Hub, qwen3_next per-expert).
@@ -200,6 +201,8 @@ def make_hf_checkpoint(out_dir, family, *, seed=0, overrides: dict | None = None
     embed_scale multiplies the input embedding table (untied checkpoints only). With e.g. 0.01 the first layer's
     input has a mean square of ~1e-4, like real Qwen embeddings (entries ~±0.01–0.03), where RMSNorm's eps is no
     longer negligible: the checkpoint on which an eps mistake (1e-5 for 1e-6) shows in the logits.
+    wrapper_tie (qwen3_5_moe only): the wrapper's top-level tie_word_embeddings when it differs from the text config's
+    (transformers ties the wrapper's head by the top-level flag alone).
     """
     if family not in FAMILIES:
         raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
@@ -211,10 +214,10 @@ def make_hf_checkpoint(out_dir, family, *, seed=0, overrides: dict | None = None
     kw = _text_kwargs(family, overrides)
     with torch.random.fork_rng(devices=[]):  # HF's default init draws from the global RNG: leave the caller's alone
         torch.manual_seed(seed)
-        model = _build_model(family, kw).eval()
+        model = _build_model(family, kw, wrapper_tie).eval()
     randomize_(model, seed)
     if embed_scale != 1.0:
-        if kw["tie_word_embeddings"]:
+        if model.get_output_embeddings().weight is model.get_input_embeddings().weight:
             raise ValueError("embed_scale needs untied embeddings (it would also scale the lm_head)")
         with torch.no_grad():
             model.get_input_embeddings().weight.mul_(float(embed_scale))
@@ -272,17 +275,27 @@ def clear_cache() -> None:
     _MODEL_CACHE.clear()
 
 
-def hf_load(ckpt_dir, dtype="float32"):
-    """AutoModelForCausalLM.from_pretrained(ckpt_dir, dtype=...).eval(), cached by (path, dtype, file stamps)."""
-    from transformers import AutoModelForCausalLM
+def hf_load(ckpt_dir, dtype="float32", by_architecture: bool = False):
+    """AutoModelForCausalLM.from_pretrained(ckpt_dir, dtype=...).eval(), cached by (path, dtype, class, file stamps).
+
+    by_architecture: load the class named in config.json's `architectures` instead, the class that wrote the
+    checkpoint. For a Qwen3.5 wrapper that is Qwen3_5MoeForConditionalGeneration, which ties the head by the wrapper's
+    top-level flag; AutoModelForCausalLM reads text_config's flag and, where the two differ, initialises a random head.
+    float64 runs the experts with experts_implementation="eager" (the grouped kernels are float32-only).
+    """
+    import transformers
 
     ckpt_dir = pathlib.Path(ckpt_dir).resolve()
-    key = (str(ckpt_dir), str(dtype), _dir_signature(ckpt_dir))
+    key = (str(ckpt_dir), str(dtype), by_architecture, _dir_signature(ckpt_dir))
     model = _MODEL_CACHE.get(key)
     if model is None:
-        for k in [k for k in _MODEL_CACHE if k[0] == key[0] and k[1] == key[1]]:
+        for k in [k for k in _MODEL_CACHE if k[:3] == key[:3]]:
             del _MODEL_CACHE[k]  # stale entry for a rewritten dir
-        model = AutoModelForCausalLM.from_pretrained(str(ckpt_dir), dtype=_dtype(dtype)).eval()
+        cls = transformers.AutoModelForCausalLM
+        if by_architecture:
+            cls = getattr(transformers, json.loads((ckpt_dir / "config.json").read_text())["architectures"][0])
+        extra = {"experts_implementation": "eager"} if str(dtype) == "float64" else {}
+        model = cls.from_pretrained(str(ckpt_dir), dtype=_dtype(dtype), **extra).eval()
         # from_pretrained leaves the parameters as views of the mmapped safetensors files.  Copy them into fresh
         # memory: CPU GEMM results depend (~1e-6) on the data alignment, which would make logits depend on the file
         # layout (sharding), and a cached model must not keep a mapping of files that a test may rewrite.
@@ -303,21 +316,23 @@ def _ids_tensor(ids) -> torch.Tensor:
 
 
 def _np(logits: torch.Tensor) -> np.ndarray:
-    return logits.detach().to(torch.float32).cpu().numpy()
+    keep = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    return logits.detach().to(keep).cpu().numpy()
 
 
 @torch.no_grad()
-def hf_logits(ckpt_dir, input_ids, dtype="float32") -> np.ndarray:
-    """[T, vocab] float32 logits of one sequence (full forward, no cache)."""
-    model = hf_load(ckpt_dir, dtype)
+def hf_logits(ckpt_dir, input_ids, dtype="float32", by_architecture: bool = False) -> np.ndarray:
+    """[T, vocab] float32 logits of one sequence (full forward, no cache); float64 ones for dtype float64."""
+    model = hf_load(ckpt_dir, dtype, by_architecture)
     out = model(input_ids=_ids_tensor(input_ids), use_cache=False)
     return _np(out.logits[0])
 
 
 @torch.no_grad()
-def hf_greedy(ckpt_dir, prompt_ids, max_new_tokens, dtype="float32") -> tuple[list[int], list[np.ndarray]]:
+def hf_greedy(ckpt_dir, prompt_ids, max_new_tokens, dtype="float32",
+              by_architecture: bool = False) -> tuple[list[int], list[np.ndarray]]:
     """Greedy decode: prefill with the cache, then single-token steps. Returns (tokens, logits that produced each)."""
-    model = hf_load(ckpt_dir, dtype)
+    model = hf_load(ckpt_dir, dtype, by_architecture)
     out = model(input_ids=_ids_tensor(prompt_ids), use_cache=True)
     cache = out.cache
     step_logits = _np(out.logits[0, -1])

@@ -75,7 +75,9 @@ def canonical_params(cfg: ModelConfig, names: set[str], prefix: str) -> dict[str
         "embed_tokens": _direct(f"{prefix}embed_tokens.weight", (cfg.vocab_size, h)),
         "norm": _direct(f"{prefix}norm.weight", (h,)),
     }
-    lm_head = "lm_head.weight" if not cfg.tie_word_embeddings else f"{prefix}embed_tokens.weight"
+    # transformers ties only when the flag says so and no separate head is stored (a stored head wins, tied or not)
+    lm_head = "lm_head.weight" if "lm_head.weight" in names or not cfg.tie_word_embeddings \
+        else f"{prefix}embed_tokens.weight"
     out["lm_head"] = _direct(lm_head, (cfg.vocab_size, h))
     for layer, kind in enumerate(cfg.layer_types):
         src, dst = f"{prefix}layers.{layer}.", f"layers.{layer}."

@@ -203,13 +203,32 @@ def parse_config(raw: dict, where: str = "config.json") -> ModelConfig:
         moe_layers=moe_layers,
         norm_topk_prob=norm_topk,
         rms_norm_eps=_float(text, "rms_norm_eps", where, 1e-6),
-        tie_word_embeddings=bool(text.get("tie_word_embeddings", raw.get("tie_word_embeddings", False))),
+        tie_word_embeddings=_tied(raw, model_type in _WRAPPER_TYPES, where),
         attention_bias=bool(text.get("attention_bias", False)),
         dtype=_DTYPE_NAMES.get(str(dtype_name), "bf16" if dtype_name is None else str(dtype_name)),
         eos_token_ids=eos_ids(text.get("eos_token_id", raw.get("eos_token_id")), where) or (),
     )
     _check_consistency(cfg, where)
     return cfg
+
+
+def _tied(raw: dict, wrapper: bool, where: str) -> bool:
+    """Whether the head is tied to the embeddings, by transformers' rule for each config vintage.
+
+    The flag is read from the config of the class that owns `lm_head`: for a multimodal wrapper
+    (`Qwen3_5MoeForConditionalGeneration`) that is the wrapper's top-level `tie_word_embeddings`, whatever
+    `text_config` says (transformers saves `text_config.tie_word_embeddings = false` beside a tied wrapper and writes no
+    `lm_head.weight`); for a flat config it is the config's own flag. A wrapper config without the top-level key
+    (written before the wrapper carried it) falls back to `text_config`'s flag; absent everywhere means false (every
+    class's default). A `lm_head.weight` present in the checkpoint is used even when the flag says tied, as
+    transformers does (`canonical_params`), so the fallback only decides between tying and refusing.
+    """
+    holder = raw if not wrapper or "tie_word_embeddings" in raw else raw["text_config"]
+    value = holder.get("tie_word_embeddings") or False  # null reads as false, as transformers' truth test does
+    if not isinstance(value, bool):
+        scope = "top-level " if holder is raw and wrapper else "text_config." if wrapper else ""
+        raise CheckpointError(f"{where}: {scope}'tie_word_embeddings' must be true or false, got {value!r}")
+    return value
 
 
 def _check_consistency(cfg: ModelConfig, where: str) -> None:
