@@ -275,13 +275,82 @@ def clear_cache() -> None:
     _MODEL_CACHE.clear()
 
 
+_GENUINE_F64_INSTALLED = False
+
+
+def _install_genuine_float64() -> None:
+    """Make transformers' float64 models compute in float64 throughout (idempotent; other dtypes are untouched).
+
+    transformers 5.24 casts to float32 inside RMSNorm (`x.float()`), the gated RMSNorm and both GDN cores even for a
+    float64 model, so its "float64" logits carry float32 errors (3e-4 on tests/fixtures/precision_gdn_qwen3_next,
+    where its fp32 logits sit 6e-5 from them: the two share the same errors). These wrappers keep float64 inputs in
+    float64 — the GDN core becomes the token-by-token recurrence in float64 — and call transformers' own code for
+    every other dtype. Left in float32: the attention and router softmaxes (relative rounding ~6e-8).
+    """
+    global _GENUINE_F64_INSTALLED
+    if _GENUINE_F64_INSTALLED:
+        return
+    import transformers.models.qwen3_5_moe.modeling_qwen3_5_moe as q35
+    import transformers.models.qwen3_next.modeling_qwen3_next as qnext
+
+    f64 = torch.float64
+
+    def rms_norm(original):
+        def forward(self, x):
+            if x.dtype != f64:
+                return original(self, x)
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.weight.to(f64))
+        return forward
+
+    def gated_rms_norm(original):
+        def forward(self, x, gate):
+            if x.dtype != f64:
+                return original(self, x, gate)
+            x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+            return self.weight.to(f64) * x * torch.nn.functional.silu(gate.to(f64))
+        return forward
+
+    def delta_rule(module, original):
+        def rule(query, key, value, g, beta, *args, initial_state=None, output_final_state=False,
+                 use_qk_l2norm_in_kernel=False, **kwargs):
+            if query.dtype != f64:
+                return original(query, key, value, g, beta, *args, initial_state=initial_state,
+                                output_final_state=output_final_state,
+                                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **kwargs)
+            q, k, v, g, beta = (x.to(f64) for x in (query, key, value, g, beta))
+            if use_qk_l2norm_in_kernel:
+                q, k = module.l2norm(q), module.l2norm(k)
+            ratio = v.shape[2] // q.shape[2]
+            q, k = q.repeat_interleave(ratio, dim=2) * q.shape[-1] ** -0.5, k.repeat_interleave(ratio, dim=2)
+            batch, length, heads, dv = v.shape
+            s = (torch.zeros(batch, heads, q.shape[-1], dv, dtype=f64) if initial_state is None
+                 else initial_state.to(f64))
+            out = torch.zeros_like(v)
+            for t in range(length):
+                s = s * g[:, t].exp()[..., None, None]
+                err = v[:, t] - torch.einsum("bhkv,bhk->bhv", s, k[:, t])
+                s = s + k[:, t][..., None] * (beta[:, t][..., None] * err)[..., None, :]
+                out[:, t] = torch.einsum("bhkv,bhk->bhv", s, q[:, t])
+            return out.to(query.dtype), (s if output_final_state else None)
+        return rule
+
+    for module, norm, gated in ((qnext, qnext.Qwen3NextRMSNorm, qnext.Qwen3NextRMSNormGated),
+                                (q35, q35.Qwen3_5MoeRMSNorm, q35.Qwen3_5MoeRMSNormGated)):
+        norm.forward = rms_norm(norm.forward)
+        gated.forward = gated_rms_norm(gated.forward)
+        for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"):
+            setattr(module, name, delta_rule(module, getattr(module, name)))
+    _GENUINE_F64_INSTALLED = True
+
+
 def hf_load(ckpt_dir, dtype="float32", by_architecture: bool = False):
     """AutoModelForCausalLM.from_pretrained(ckpt_dir, dtype=...).eval(), cached by (path, dtype, class, file stamps).
 
     by_architecture: load the class named in config.json's `architectures` instead, the class that wrote the
     checkpoint. For a Qwen3.5 wrapper that is Qwen3_5MoeForConditionalGeneration, which ties the head by the wrapper's
     top-level flag; AutoModelForCausalLM reads text_config's flag and, where the two differ, initialises a random head.
-    float64 runs the experts with experts_implementation="eager" (the grouped kernels are float32-only).
+    float64 runs the experts with experts_implementation="eager" (the grouped kernels are float32-only) and is a
+    genuine float64 forward (see _install_genuine_float64).
     """
     import transformers
 
@@ -294,7 +363,10 @@ def hf_load(ckpt_dir, dtype="float32", by_architecture: bool = False):
         cls = transformers.AutoModelForCausalLM
         if by_architecture:
             cls = getattr(transformers, json.loads((ckpt_dir / "config.json").read_text())["architectures"][0])
-        extra = {"experts_implementation": "eager"} if str(dtype) == "float64" else {}
+        extra = {}
+        if str(dtype) == "float64":
+            _install_genuine_float64()
+            extra = {"experts_implementation": "eager"}
         model = cls.from_pretrained(str(ckpt_dir), dtype=_dtype(dtype), **extra).eval()
         # from_pretrained leaves the parameters as views of the mmapped safetensors files.  Copy them into fresh
         # memory: CPU GEMM results depend (~1e-6) on the data alignment, which would make logits depend on the file
