@@ -4,7 +4,8 @@ Usage: python benchmarks/grouped_matmul_cpu.py [--tokens 1,4,8,32,64,128,256] [-
                                                [--ref-max-tokens 8] [--repeats 7] [--precision] [--out FILE]
 
 Shapes: E=64 experts, top-8 routing (random 8 of 64 per token, fixed seed), N = tokens*8 rows;
-  gate/up: K=1024 -> Nout=256 (w [64, 256, 1024]);  down: K=256 -> Nout=1024 (w [64, 1024, 256]).
+  gate/up: K=1024 -> Nout=256 (w [64, 1024, 256]);  down: K=256 -> Nout=1024 (w [64, 256, 1024]) — the op's
+  [E, K, Nout] layout (the importer prepares it from the checkpoints' [E, Nout, K]).
 Each strategy is jitted, warmed up once, then timed as the minimum of --repeats runs (other processes share the cores;
 the minimum is the least noisy statistic). Columns: ms; GB/s = bytes of the weights of the experts actually routed
 ÷ time (the decode roofline quantity); GFLOP/s = 2·N_real·K·Nout ÷ time (useful FLOPs only). The reference
@@ -30,9 +31,9 @@ DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16}
 
 
 def strategies(n: int, dtype_name: str):
-    f32 = dtype_name == "f32"
     out = {}
-    for b, ok in ((1, n <= 64), (8, f32 and n <= 512), (16, n >= 64), (32, n >= 256)):
+    for b, ok in ((1, n <= 64), (2, 16 <= n <= 128), (4, 32 <= n <= 512), (8, 32 <= n <= 1024), (16, n >= 64),
+                  (32, n >= 256)):
         if ok:
             out[f"loop b{b}"] = functools.partial(gm.grouped_matmul_blocks_loop, block=b)
     for b, ok in ((1, n <= 64), (16, n >= 256), (32, n >= 1024)):
@@ -99,7 +100,7 @@ def main():
         dtype = DTYPES[dname]
         for shape in args.shapes.split(","):
             k, nout = SHAPES[shape]
-            w = jnp.asarray(rng.standard_normal((E, nout, k)) * 0.03, dtype)
+            w = jnp.asarray(rng.standard_normal((E, k, nout)) * 0.03, dtype)
             for tokens in map(int, args.tokens.split(",")):
                 n = tokens * TOPK
                 gs = jnp.asarray(routing(tokens, rng))

@@ -65,7 +65,7 @@ def make_case(case, dtype, seed=0, shape=(N, E, K, NOUT)):
     n, e, k, nout = shape
     rng = np.random.default_rng(seed)
     rows = rng.standard_normal((n, k)).astype(np.float32)
-    w = rng.standard_normal((e, nout, k)).astype(np.float32)
+    w = rng.standard_normal((e, k, nout)).astype(np.float32)  # the op's [E, K, Nout] layout
     return jnp.asarray(rows, dtype), jnp.asarray(w, dtype), jnp.asarray(GROUPS[case], jnp.int32)
 
 
@@ -117,12 +117,12 @@ def test_single_row_and_decode_shapes(strategy):
 def test_against_float64_numpy_loop():
     rows, w, gs = make_case("mixed_with_empty", jnp.float32, seed=2)
     r, wn, g = np.asarray(rows, np.float64), np.asarray(w, np.float64), np.asarray(gs)
-    want = np.zeros((r.shape[0], wn.shape[1]))
+    want = np.zeros((r.shape[0], wn.shape[2]))
     start = 0
     for e, size in enumerate(g):
         for i in range(start, start + size):
-            for o in range(wn.shape[1]):
-                want[i, o] = sum(r[i, j] * wn[e, o, j] for j in range(r.shape[1]))
+            for o in range(wn.shape[2]):
+                want[i, o] = sum(r[i, j] * wn[e, j, o] for j in range(r.shape[1]))
         start += size
     assert rel_err(reference(rows, w, gs), want) <= F32_REL
     for name, fn in JITTED.items():

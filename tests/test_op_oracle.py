@@ -255,10 +255,13 @@ def test_routed_mlp(target):
     weights, ids = run(RouterTopK, target, RouterTopK(k, True), logits)
     rows, groups, order = run(MoeDispatch, target, MoeDispatch(e), x, ids)
     assert groups.tolist() == np.bincount(ids.ravel(), minlength=e).tolist() and groups[5] == 0
-    g = run(GroupedMatmul, target, GroupedMatmul(), rows, gate, groups)
-    u = run(GroupedMatmul, target, GroupedMatmul(), rows, up, groups)
+    def in_out(w):  # checkpoint [E, Nout, K] -> the op's [E, K, Nout] (what the importer's prepared transpose gives)
+        return np.ascontiguousarray(np.swapaxes(w, 1, 2))
+
+    g = run(GroupedMatmul, target, GroupedMatmul(), rows, in_out(gate), groups)
+    u = run(GroupedMatmul, target, GroupedMatmul(), rows, in_out(up), groups)
     act = run(Mul, target, Mul(), run(Activation, target, Activation("silu"), g), u)
-    d = run(GroupedMatmul, target, GroupedMatmul(), act, down, groups)
+    d = run(GroupedMatmul, target, GroupedMatmul(), act, in_out(down), groups)
     got = run(MoeCombine, target, MoeCombine(), d, order, weights)
     assert got.dtype == np.float32
 
@@ -278,12 +281,14 @@ def test_grouped_matmul_alone(target):
     rng = np.random.default_rng(6)
     sizes = np.array([3, 0, 5, 1, 0, 7], np.int32)
     rows = f32(rng.standard_normal((int(sizes.sum()), 20)))
-    w = f32(rng.normal(0, 20**-0.5, (len(sizes), 9, 20)))
+    w = f32(rng.normal(0, 20**-0.5, (len(sizes), 20, 9)))  # [E, K, Nout]
     got = run(GroupedMatmul, target, GroupedMatmul(), rows, w, sizes)
     owner = np.repeat(np.arange(len(sizes)), sizes)
-    want = np.stack([w[owner[r]].astype(np.float64) @ rows[r].astype(np.float64) for r in range(len(rows))])
-    shifted = np.stack([w[(owner[r] + 1) % len(sizes)].astype(np.float64) @ rows[r] for r in range(len(rows))])
-    check(got, want, 2e-6, {"rows paired with the wrong expert": shifted}, f"grouped_matmul [{target}]")
+    want = np.stack([rows[r].astype(np.float64) @ w[owner[r]].astype(np.float64) for r in range(len(rows))])
+    shifted = np.stack([rows[r].astype(np.float64) @ w[(owner[r] + 1) % len(sizes)] for r in range(len(rows))])
+    transposed = np.stack([w[owner[r]].reshape(9, 20).astype(np.float64) @ rows[r] for r in range(len(rows))])
+    check(got, want, 2e-6, {"rows paired with the wrong expert": shifted, "weights read as [E, Nout, K]": transposed},
+          f"grouped_matmul [{target}]")
 
 
 # ------------------------------------------------------------------------------------------------------------------

@@ -92,7 +92,7 @@ def _gmm_case(rng, batch, dtype):
     ids = np.stack([rng.choice(experts, top_k, replace=False) for _ in range(tokens)])
     group_sizes = np.bincount(ids.ravel(), minlength=experts).astype(np.int32)
     rows = rng.standard_normal((BATCHES[batch][2] * top_k, hidden)).astype(dtype)  # padded past sum(group_sizes)
-    w = rng.standard_normal((experts, out, hidden)).astype(dtype)
+    w = rng.standard_normal((experts, hidden, out)).astype(dtype)
     return GroupedMatmul(), (rows, w, group_sizes)
 
 

@@ -11,7 +11,8 @@ import pytest
 import toy_passes
 from qcompile.frontend.checkpoint import Checkpoint
 from qcompile.ir.importer import build_graph
-from qcompile.ir.ops.core import Param, Slice
+from qcompile.ir.ops.core import Param, Slice, Transpose
+from qcompile.ir.ops.moe import GroupedMatmul
 from qcompile.ir.parser import parse_graph
 from qcompile.ir.verifier import verify
 from qcompile.ir.weights import PREPARED_PREFIX, fold_weight_preparation, load_params, prepared_names
@@ -37,9 +38,15 @@ def split(ckpt):
     return graph, result.graph
 
 
-def test_nothing_to_fold_returns_the_same_graph(split):
+def test_unoptimized_graph_prepares_expert_weights_in_the_grouped_matmul_layout(split):
+    """The importer writes the checkpoints' [E, Nout, K] expert weights as transposes to grouped_matmul's [E, K, Nout]:
+    each folds into one prepared parameter; a graph with nothing left to fold comes back as the same object."""
     graph, _ = split
-    assert fold_weight_preparation(graph) is graph
+    transposes = graph.find(Transpose)
+    assert len(transposes) == len(graph.find(GroupedMatmul)) > 0
+    folded = fold_weight_preparation(graph)
+    assert not folded.find(Transpose) and len(prepared_names(folded)) == len(transposes)
+    assert fold_weight_preparation(folded) is folded
 
 
 def test_params_only_values_become_prepared_params(split):
@@ -52,11 +59,11 @@ def test_params_only_values_become_prepared_params(split):
     assert weight_slices(optimized) and not weight_slices(folded)  # every slice of a weight was folded
     names = prepared_names(folded)
     assert names and all(name.startswith(PREPARED_PREFIX) for name in names)
-    assert len(names) == len(weight_slices(optimized))
+    assert len(names) == len(weight_slices(optimized)) + len(optimized.find(Transpose))
     for name in names:  # each recipe is IR text naming only checkpoint parameters
         recipe = parse_graph(folded.meta["prepared"][name])
         assert all(not n.op.name.startswith(PREPARED_PREFIX) for n in recipe.find(Param))
-        assert [n.op.op_name for n in recipe.nodes()] == ["param", "slice"]
+        assert [n.op.op_name for n in recipe.nodes()] in (["param", "slice"], ["param", "transpose"])
     assert fold_weight_preparation(folded) is folded  # idempotent
 
 

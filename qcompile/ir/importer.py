@@ -22,7 +22,8 @@ from qcompile.frontend.config import FULL, ModelConfig
 from qcompile.ir.builder import Builder
 from qcompile.ir.graph import Graph, Value
 from qcompile.ir.ops.attention import KvCacheWrite, PagedAttention, Rope
-from qcompile.ir.ops.core import Activation, Add, Cast, Embed, Greedy, Linear, Mul, Reshape, RmsNorm, Slice, TakeRows
+from qcompile.ir.ops.core import (Activation, Add, Cast, Embed, Greedy, Linear, Mul, Reshape, RmsNorm, Slice, TakeRows,
+                                  Transpose)
 from qcompile.ir.ops.gdn import CausalConv1d, GatedRmsNorm, GdnGates, GdnRecurrence
 from qcompile.ir.ops.moe import GroupedMatmul, MoeCombine, MoeDispatch, RouterTopK
 from qcompile.ir.types import TensorType
@@ -152,6 +153,11 @@ class _Importer:
         o = b.add(GatedRmsNorm(cfg.rms_norm_eps), o, z, self.param(pre + "norm"))
         return self.linear(self.reshape(o, T, cfg.value_dim), pre + "out_proj")
 
+    def expert_weights(self, name: str) -> Value:
+        """Stacked expert weights [E, Nout, K] as grouped_matmul takes them, [E, K, Nout]: a params-only transpose
+        that weight preparation folds into a prepared parameter (computed once, not per step)."""
+        return self.b.add(Transpose((0, 2, 1)), self.param(name))
+
     def swiglu(self, pre: str, h: Value) -> Value:
         act = self.b.add(Mul(), self.b.add(Activation("silu"), self.linear(h, pre + "gate_proj")),
                          self.linear(h, pre + "up_proj"))
@@ -164,10 +170,10 @@ class _Importer:
         cfg, b = self.cfg, self.b
         weights, ids = b.add(RouterTopK(cfg.top_k, cfg.norm_topk_prob), self.linear(h, pre + "gate"))
         rows, groups, order = b.add(MoeDispatch(cfg.num_experts), h, ids)
-        gate = b.add(GroupedMatmul(), rows, self.param(pre + "experts.gate_proj"), groups)
-        up = b.add(GroupedMatmul(), rows, self.param(pre + "experts.up_proj"), groups)
+        gate = b.add(GroupedMatmul(), rows, self.expert_weights(pre + "experts.gate_proj"), groups)
+        up = b.add(GroupedMatmul(), rows, self.expert_weights(pre + "experts.up_proj"), groups)
         act = b.add(Mul(), b.add(Activation("silu"), gate), up)
-        down = b.add(GroupedMatmul(), act, self.param(pre + "experts.down_proj"), groups)
+        down = b.add(GroupedMatmul(), act, self.expert_weights(pre + "experts.down_proj"), groups)
         routed = b.add(MoeCombine(), down, order, weights)
         shared = self.swiglu(pre + "shared_expert.", h)
         shared_gate = b.add(Activation("sigmoid"), self.linear(h, pre + "shared_expert_gate"))

@@ -1,9 +1,14 @@
 """Grouped matmul (the MoE expert matmul) for the CPU backend.
 
-`grouped_matmul(rows[N,K], w[E,Nout,K], group_sizes[E]) -> [N,Nout]`: rows are token-expert rows already sorted by
+`grouped_matmul(rows[N,K], w[E,K,Nout], group_sizes[E]) -> [N,Nout]`: rows are token-expert rows already sorted by
 expert, group e owns the consecutive rows [off[e], off[e] + group_sizes[e]) with off the exclusive cumsum; rows from
-sum(group_sizes) on are padding. Every function here computes rows_g · w[e]ᵀ with f32 accumulation and returns
+sum(group_sizes) on are padding. Every function here computes rows_g · w[e] with f32 accumulation and returns
 rows.dtype; padding rows come back 0.
+
+The weights are [E, K, Nout] (in × out per expert, ragged_dot's own layout), not the checkpoints' [E, Nout, K]: the
+importer transposes them once, as weight preparation (ir/weights.py), because every CPU strategy below ran 1.4-1.9×
+faster against [K, Nout] slices than against [Nout, K] ones (the dot then needs no transposed operand; table in
+docs/cpu_rules.md), and ragged_dot itself takes this layout without a per-call transpose.
 
 Why: the reference rule, `jax.lax.ragged_dot`, is expanded by JAX 0.10.2 on CPU into a dense product of every row with
 every expert (E× the FLOPs and an [E,N,Nout]-sized temporary): on the bench preset one MoE layer took 0.55 s at 4
@@ -11,19 +16,18 @@ tokens. The strategies below do work proportional to N (plus one block per route
 
 - `grouped_matmul_blocks_loop`: rows are cut into blocks of `block` rows that never straddle two experts (a group of
   g rows takes ceil(g/block) blocks); a `lax.while_loop` runs only over the blocks actually used, each one
-  dynamic_slice of `block` rows times its expert's weight slice w[e] ([out, in] layout, contracted on `in`; XLA
-  materialises the dynamically indexed slice, one weight copy per block) and written back with
+  dynamic_slice of `block` rows times its expert's weight slice w[e] ([in, out]) and written back with
   dynamic_update_slice. Rows of a block past its group's end are computed with the wrong
   expert but are overwritten by the next group's blocks (blocks run in row order), or zeroed at the end when they are
   padding. Weight bytes read = one expert slice per block.
 - `grouped_matmul_blocks_batched`: the same block table, but all blocks at once: a static block count
   nb = ceil(N/block) + min(E, N) - 1 (an upper bound on Σ ceil(g_e/block)), rows gathered into [nb, block, K],
-  weights gathered per block into [nb, Nout, K] and one batched einsum; each row then takes its result back with a
+  weights gathered per block into [nb, K, Nout] and one batched einsum; each row then takes its result back with a
   gather. Costs a copy of nb weight slices (unused blocks included).
 - `grouped_matmul_experts_unrolled`: a static Python loop over the E experts, each under `lax.cond(g_e > 0)` with a
   while-loop over its blocks; the weight slice has a static index, so XLA does not copy it per block. Fast (and the
   only fast bf16 form), but E conditionals cost 4-30 s of XLA compile per call site at E=64 (4-5 s on a quiet machine).
-- `grouped_matmul_rowwise`: each row times its own expert's weight (a per-row weight gather [N, Nout, K] and a
+- `grouped_matmul_rowwise`: each row times its own expert's weight (a per-row weight gather [N, K, Nout] and a
   batched matvec). Best at N ≤ 8, collapses from N=32 on.
 
 `grouped_matmul_cpu` chooses one per static shape (see the rule and the table it came from there).
@@ -47,7 +51,7 @@ HIGHEST = jax.lax.Precision.HIGHEST
 
 def grouped_matmul_reference(rows, w, group_sizes):
     """The op's reference rule (qcompile/ir/ops/moe.py): ragged_dot with f32 accumulation, cast to rows.dtype."""
-    out = jax.lax.ragged_dot(rows, jnp.swapaxes(w, 1, 2), group_sizes, precision=HIGHEST,
+    out = jax.lax.ragged_dot(rows, w, group_sizes, precision=HIGHEST,
                              preferred_element_type=jnp.float32)
     return out.astype(rows.dtype)
 
@@ -89,12 +93,12 @@ def _zero_padding(out, total):
     return jnp.where(valid[:, None], out, jnp.zeros((), out.dtype))
 
 
-def _dot_t(x, wt, upcast: bool):
-    """x[..., K] · wt[Nout, K]ᵀ in f32."""
+def _dot(x, we, upcast: bool):
+    """x[..., K] · we[K, Nout] in f32."""
     if upcast:
         x = x.astype(jnp.float32)
-        wt = wt.astype(jnp.float32)
-    return jax.lax.dot_general(x, wt, (((x.ndim - 1,), (1,)), ((), ())), precision=HIGHEST,
+        we = we.astype(jnp.float32)
+    return jax.lax.dot_general(x, we, (((x.ndim - 1,), (0,)), ((), ())), precision=HIGHEST,
                                preferred_element_type=jnp.float32)
 
 
@@ -103,13 +107,13 @@ def _dot_t(x, wt, upcast: bool):
 
 
 def grouped_matmul_blocks_loop(rows, w, group_sizes, *, block: int = 16, upcast: bool | None = None):
-    """While-loop over the used row blocks; each block = dynamic_slice(rows) · w[e]ᵀ (see module docstring).
+    """While-loop over the used row blocks; each block = dynamic_slice(rows) · w[e] (see module docstring).
 
     upcast: convert each block's operands to f32 before the dot (default: when rows are not f32; XLA's CPU bf16 dot
     is far slower than the f32 one for skinny products).
     """
     n, k = rows.shape
-    e, nout, _ = w.shape
+    e, _, nout = w.shape
     if upcast is None:
         upcast = rows.dtype != jnp.float32
     if n == 0:
@@ -124,8 +128,8 @@ def grouped_matmul_blocks_loop(rows, w, group_sizes, *, block: int = 16, upcast:
         j, out = carry
         r0 = first_row[j]
         x = jax.lax.dynamic_slice_in_dim(padded, r0, block, axis=0)
-        wt = jax.lax.dynamic_index_in_dim(w, expert[j], axis=0, keepdims=False)
-        y = _dot_t(x, wt, upcast).astype(rows.dtype)
+        we = jax.lax.dynamic_index_in_dim(w, expert[j], axis=0, keepdims=False)
+        y = _dot(x, we, upcast).astype(rows.dtype)
         return j + 1, jax.lax.dynamic_update_slice_in_dim(out, y, r0, axis=0)
 
     _, out = jax.lax.while_loop(lambda c: c[0] < used, body, (jnp.int32(0), out))
@@ -135,7 +139,7 @@ def grouped_matmul_blocks_loop(rows, w, group_sizes, *, block: int = 16, upcast:
 def grouped_matmul_blocks_batched(rows, w, group_sizes, *, block: int = 16, upcast: bool | None = None):
     """All blocks in one batched einsum against per-block gathered weights (see module docstring)."""
     n, k = rows.shape
-    e, nout, _ = w.shape
+    e, _, nout = w.shape
     if upcast is None:
         upcast = rows.dtype != jnp.float32
     if n == 0:
@@ -145,10 +149,10 @@ def grouped_matmul_blocks_batched(rows, w, group_sizes, *, block: int = 16, upca
     expert, first_row, _, blk_start, starts, total = _block_table(group_sizes, n, block, nb)
     idx = jnp.minimum(first_row[:, None] + jnp.arange(block, dtype=jnp.int32)[None, :], n - 1)
     x = jnp.take(rows, idx, axis=0)  # [nb, block, K]
-    wb = jnp.take(w, expert, axis=0)  # [nb, Nout, K]
+    wb = jnp.take(w, expert, axis=0)  # [nb, K, Nout]
     if upcast:
         x, wb = x.astype(jnp.float32), wb.astype(jnp.float32)
-    y = jnp.einsum("bik,bok->bio", x, wb, precision=HIGHEST, preferred_element_type=jnp.float32)
+    y = jnp.einsum("bik,bko->bio", x, wb, precision=HIGHEST, preferred_element_type=jnp.float32)
     r = jnp.arange(n, dtype=jnp.int32)
     ends = jnp.cumsum(jnp.maximum(group_sizes.astype(jnp.int32), 0))
     row_expert = jnp.minimum(jnp.searchsorted(ends, r, side="right"), e - 1)
@@ -161,7 +165,7 @@ def grouped_matmul_blocks_batched(rows, w, group_sizes, *, block: int = 16, upca
 
 def grouped_matmul_experts_unrolled(rows, w, group_sizes, *, block: int = 8, upcast: bool | None = None):
     """A static Python loop over the E experts; expert e runs under `lax.cond(g_e > 0)` a while-loop over its
-    ceil(g_e/block) row blocks, each dynamic_slice(rows) · w[e]ᵀ written back with dynamic_update_slice.
+    ceil(g_e/block) row blocks, each dynamic_slice(rows) · w[e] written back with dynamic_update_slice.
 
     The weight slice w[e] has a static index, so XLA does not copy it per block as it does for a dynamic index
     (see `grouped_matmul_blocks_loop`); experts with no rows cost one predicate. Rows of a block past its group's end
@@ -169,7 +173,7 @@ def grouped_matmul_experts_unrolled(rows, w, group_sizes, *, block: int = 8, upc
     conditionals (compile time grows with E).
     """
     n, k = rows.shape
-    e, nout, _ = w.shape
+    e, _, nout = w.shape
     if upcast is None:
         upcast = rows.dtype != jnp.float32
     if n == 0:
@@ -181,15 +185,15 @@ def grouped_matmul_experts_unrolled(rows, w, group_sizes, *, block: int = 8, upc
     out = jnp.zeros((n + block, nout), rows.dtype)
     for ex in range(e):
         def expert(out, ex=ex):
-            wt = w[ex]
+            we = w[ex]
             if upcast:
-                wt = wt.astype(jnp.float32)
+                we = we.astype(jnp.float32)
 
             def body(carry):
                 i, out = carry
                 r0 = starts[ex] + i * block
                 x = jax.lax.dynamic_slice_in_dim(padded, r0, block, axis=0)
-                y = _dot_t(x.astype(wt.dtype), wt, False).astype(rows.dtype)
+                y = _dot(x.astype(we.dtype), we, False).astype(rows.dtype)
                 return i + 1, jax.lax.dynamic_update_slice_in_dim(out, y, r0, axis=0)
 
             return jax.lax.while_loop(lambda c: c[0] < nblk[ex], body, (jnp.int32(0), out))[1]
@@ -201,17 +205,17 @@ def grouped_matmul_experts_unrolled(rows, w, group_sizes, *, block: int = 8, upc
 def grouped_matmul_rowwise(rows, w, group_sizes, *, upcast: bool | None = None):
     """Each row times its own expert's weight: gather w per row, batched matvec. Decode sizes only."""
     n, k = rows.shape
-    e, nout, _ = w.shape
+    e, _, nout = w.shape
     if upcast is None:
         upcast = rows.dtype != jnp.float32
     _, _, total = _group_offsets(group_sizes, n)
     ends = jnp.cumsum(jnp.maximum(group_sizes.astype(jnp.int32), 0))
     row_expert = jnp.minimum(jnp.searchsorted(ends, jnp.arange(n, dtype=jnp.int32), side="right"), e - 1)
-    wr = jnp.take(w, row_expert, axis=0)  # [N, Nout, K]
+    wr = jnp.take(w, row_expert, axis=0)  # [N, K, Nout]
     x = rows
     if upcast:
         x, wr = x.astype(jnp.float32), wr.astype(jnp.float32)
-    y = jnp.einsum("nk,nok->no", x, wr, precision=HIGHEST, preferred_element_type=jnp.float32)
+    y = jnp.einsum("nk,nko->no", x, wr, precision=HIGHEST, preferred_element_type=jnp.float32)
     return _zero_padding(y.astype(rows.dtype), total)
 
 
@@ -223,34 +227,33 @@ def choose_strategy(num_rows: int, num_experts: int, k: int, nout: int, dtype) -
     """The strategy name for a static shape, as benchmarks/grouped_matmul_cpu.py names them: "rowwise",
     "loop b<block>" (grouped_matmul_blocks_loop), "experts b<block>" (grouped_matmul_experts_unrolled).
 
-    From the table in docs/cpu_rules.md (E=64, K/Nout = 1024/256 and 256/1024, top-8; min over 2-3 noisy runs; both
-    matrices gave the same ordering):
-    - N ≤ 8 rows (one decode token): "rowwise" (per-row weight gather + batched matvec): f32 0.38-0.52 ms vs 0.45-0.64
-      for "loop b1" and 80-96 ms for ragged_dot; bf16 0.31-0.36 ms (best of all, 0.4 s compile). It falls off a
-      cliff from N=32 on (15-40 ms), so only here.
-    - f32, N ≤ 64: "loop b1" (one row per block = XNNPACK matvecs at 13-19 GB/s of weights; 8-row blocks read at
-      ~6-9 GB/s): 1.7-1.8 ms at N=32, 3.3 ms at N=64 vs 79-124 ms for ragged_dot.
-    - f32, N > 64: "loop b16" up to N=512 (5.4-16 ms at N=256-512), "loop b32" above (14-21 ms at N=1024-2048).
-      "experts" (no per-block weight copy) is at best ~1.2x faster at N=2048 but costs 4-30 s of XLA compile per
-      call site at E=64 (E unrolled conditionals), so it is not the f32 default.
-    - bf16, N > 8: the same "loop" blocks as f32. The block loop's dynamic slice of a bf16 weight runs at only
-      0.1-0.5 GB/s (35-120 ms per call at every N, still no worse than ragged_dot and without its E×-larger
-      temporary); "experts" (static weight slices) ran 1.2-2.8 ms at N=32-64 and 9.4-45 ms at N=256-2048 but pays
-      4-17 s of compile per call site at E=64 — E unrolled conditionals, 3 sites per layer, which for a 512-expert,
-      40-layer model is not a compile anyone can wait for (and it aborted XLA once in a long test process). The way
-      to fast bf16 MoE on CPU is f32 expert weights prepared at compile time, not this kernel.
+    From the [E, K, Nout] table in docs/cpu_rules.md (E=64, K/Nout = 1024/256 and 256/1024, top-8, f32, min of 7;
+    both matrices give the same ordering within the noise):
+    - N ≤ 8 rows (one decode token): "rowwise" (per-row weight gather + batched matvec): 0.27 ms vs 0.35-0.54 for
+      "loop b1" and 80-96 ms for ragged_dot. It falls off a cliff from N=32 on (15-40 ms), so only here.
+    - N ≤ 64: "loop b2": 1.07-1.10 ms at N=32 (b1 1.45-1.79, b4 1.22-1.24), 1.81-2.11 at N=64 (b4 1.78-2.34).
+    - N ≤ 128: "loop b4": 2.42-2.82 ms (b8 2.59-3.00, b16 3.38-4.64).
+    - N ≤ 512: "loop b8": 3.00-3.13 ms at N=256 (b16 3.65-4.48, the former [E, Nout, K] rule's 4.7-5.3), 4.0-5.0 at
+      N=512 (b16 3.7-5.8).
+    - N > 512: "loop b32": 5.8-13 ms at N=1024, 8.1-9.6 at N=2048 (b16 9.4-23).
+    "experts" (no per-block weight copy) costs 4-30 s of XLA compile per call site at E=64 (E unrolled
+    conditionals), so it is never chosen. bf16 takes the same blocks: XLA's bf16 dot on CPU is slow for skinny
+    products whatever the strategy (docs/cpu_rules.md); fast bf16 MoE on CPU wants f32 expert weights prepared at
+    compile time, not another kernel.
     """
-    del num_experts, k, nout
+    del num_experts, k, nout, dtype
     if num_rows <= 8:
         return "rowwise"
     if num_rows <= 64:
-        return "loop b1"
-    return "loop b16" if num_rows <= 512 else "loop b32"
+        return "loop b2"
+    if num_rows <= 128:
+        return "loop b4"
+    return "loop b8" if num_rows <= 512 else "loop b32"
 
 
 def grouped_matmul_cpu(rows, w, group_sizes):
     """The CPU lowering of grouped_matmul: the strategy `choose_strategy` picks for this static shape."""
-    name = choose_strategy(rows.shape[0], w.shape[0], rows.shape[1], w.shape[1], rows.dtype)
+    name = choose_strategy(rows.shape[0], w.shape[0], rows.shape[1], w.shape[2], rows.dtype)
     if name == "rowwise":
         return grouped_matmul_rowwise(rows, w, group_sizes)
     kind, block = name.split(" b")

@@ -20,6 +20,11 @@ from qcompile.ir.graph import Graph
 
 TOLERANCE_CLASSES = ("exact", "reassociating", "lossy")
 REASSOCIATING = {"f32": 1e-5, "bf16": 1e-2, "f16": 1e-3}
+# The whole graph lowered with a target's rules against the reference rules: every op's summation order changes at
+# once and the differences compound through the layers. Measured f32 on the tiny checkpoints: 6.9e-7 (Qwen3.5-MoE)
+# to 1.1e-5 (Qwen3-Next, seed 3, whose GDN states amplify them); 5e-5 keeps 4.5x room and stays half of the 1e-4
+# fidelity bound against transformers, so the target's rules cannot use up what the user is promised.
+TARGET_RULES = {"f32": 5e-5, "bf16": 1e-2, "f16": 1e-3}
 
 
 @attrs.frozen

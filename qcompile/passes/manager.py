@@ -22,7 +22,7 @@ from qcompile.errors import NumericsError, QCompileError, VerificationError
 from qcompile.ir.graph import Graph
 from qcompile.ir.printer import print_graph
 from qcompile.ir.verifier import verify
-from qcompile.passes.base import REASSOCIATING, Pass, PassContext, PassResult
+from qcompile.passes.base import TARGET_RULES, Pass, PassContext, PassResult
 from qcompile.passes.equivalence import CheckResult, EquivalenceChecker, structural_hash
 
 VERIFY_MODES = ("each", "final", "none")
@@ -201,7 +201,7 @@ def run_pipeline(graph: Graph, passes: list[Pass], ctx: PassContext = PassContex
         instruments.after(index, pass_, current, result.changed)
     final = None
     if verify_mode != "none" and checker.target != "reference":
-        budget += REASSOCIATING[graph.meta["dtype"]]  # the target's rules against the reference rules
+        budget += TARGET_RULES[graph.meta["dtype"]]  # the target's rules against the reference rules
     if verify_mode != "none" and (current is not reference or checker.target != "reference"):
         final = checker.check(current, budget, against=None)
         if not final.ok:

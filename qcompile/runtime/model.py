@@ -7,7 +7,7 @@ import attrs
 from qcompile.frontend.checkpoint import Checkpoint
 from qcompile.ir.graph import Graph
 from qcompile.ir.importer import build_graph
-from qcompile.ir.weights import load_params
+from qcompile.ir.weights import fold_weight_preparation, load_params
 from qcompile.runtime.engine import CacheConfig, Engine
 
 
@@ -23,6 +23,8 @@ class LoadedModel:
 
 def load_model(path, dtype: str | None = None, page_size: int = 16, gdn_mode: str = "auto",
                progress: bool | None = None) -> LoadedModel:
+    """The checkpoint's unoptimized graph with its weight preparation folded (prepared weights computed here, one
+    tensor at a time) and its device parameters."""
     checkpoint = Checkpoint.open(path)
-    graph = build_graph(checkpoint, dtype, page_size, gdn_mode)
+    graph = fold_weight_preparation(build_graph(checkpoint, dtype, page_size, gdn_mode))
     return LoadedModel(checkpoint, graph, load_params(checkpoint, graph, progress))

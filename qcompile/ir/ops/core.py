@@ -129,6 +129,25 @@ def _reshape(op_, x):
     return x.reshape(sizes)
 
 
+@op("transpose")
+@attrs.frozen
+class Transpose:
+    """transpose(x) = x with its axes permuted: result axis i is x's axis perm[i] (jnp.transpose's convention)."""
+
+    perm: tuple = attrs.field(converter=tuple)
+
+
+@type_rule(Transpose)
+def _transpose_type(op_, x):
+    expect(sorted(op_.perm) == list(range(x.rank)), f"transpose perm {list(op_.perm)} is not a permutation of {x}'s axes")
+    return x.with_shape([x.shape[i] for i in op_.perm])
+
+
+@lowering(Transpose)
+def _transpose(op_, x):
+    return jnp.transpose(x, op_.perm)
+
+
 @op("slice")
 @attrs.frozen
 class Slice:

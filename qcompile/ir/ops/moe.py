@@ -78,15 +78,19 @@ def _dispatch(op_, x, ids):
 @op("grouped_matmul")
 @attrs.frozen
 class GroupedMatmul:
-    """grouped_matmul(rows[N,K], w[E,Nout,K], group_sizes[E]) -> [N,Nout]: consecutive row groups times their expert's wᵀ."""
+    """grouped_matmul(rows[N,K], w[E,K,Nout], group_sizes[E]) -> [N,Nout]: consecutive row groups times their expert's w.
+
+    w is in × out per expert (ragged_dot's layout); checkpoints store [E, Nout, K], which the importer transposes as
+    weight preparation (folded into a prepared parameter once, never per step).
+    """
 
 
 @type_rule(GroupedMatmul)
 def _gmm_type(op_, rows, w, group_sizes):
-    expect(w.rank == 3 and rows.rank == 2 and rows.shape[1] == w.shape[2], f"grouped_matmul: {rows} vs {w}")
+    expect(w.rank == 3 and rows.rank == 2 and rows.shape[1] == w.shape[1], f"grouped_matmul: {rows} vs {w}")
     expect(group_sizes.shape == (w.shape[0],), f"group_sizes {group_sizes} do not match {w.shape[0]} experts")
     expect(rows.dtype == w.dtype, f"grouped_matmul dtypes differ: {rows.dtype} vs {w.dtype}")
-    return rows.with_shape((rows.shape[0], w.shape[1]))
+    return rows.with_shape((rows.shape[0], w.shape[2]))
 
 
 @lowering(GroupedMatmul, "cpu")
