@@ -73,7 +73,7 @@ def hf_cases(draw) -> dict:
     layouts wrapper / flat, stacked / per-expert, one file / 2–3 shards with an index, legacy config keys.
     """
     family = draw(st.sampled_from(["qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text"]))
-    layers = draw(st.integers(1, 5))
+    layers = draw(st.sampled_from([1, 2, 3, 4, 5]))
     if draw(st.booleans()):
         interval = draw(st.integers(1, 4))
         pattern = [FULL if (i + 1) % interval == 0 else LINEAR for i in range(layers)]
@@ -83,7 +83,7 @@ def hf_cases(draw) -> dict:
     head_dim = draw(st.sampled_from([16, 32, 64]))
     rotary = draw(st.sampled_from([0.25, 0.5, 1.0]))
     key_heads = draw(st.integers(1, 3))
-    experts = draw(st.integers(2, 16))
+    experts = draw(st.sampled_from(range(2, 17)))  # sampled_from draws evenly; integers() favours the small end
     overrides = dict(
         vocab_size=draw(st.sampled_from([96, 160, 512, 600])),
         hidden_size=draw(st.sampled_from([32, 48, 64, 96])),
@@ -98,7 +98,7 @@ def hf_cases(draw) -> dict:
         linear_num_value_heads=key_heads * draw(st.integers(1, 3)),
         linear_key_head_dim=draw(st.sampled_from([8, 16])),
         linear_value_head_dim=draw(st.sampled_from([8, 16, 24])),
-        linear_conv_kernel_dim=draw(st.integers(2, 4)),
+        linear_conv_kernel_dim=draw(st.sampled_from([2, 3, 4])),
         num_experts=experts,
         num_experts_per_tok=draw(st.integers(1, min(experts, 4))),
         moe_intermediate_size=draw(st.sampled_from([8, 24, 40])),
@@ -122,7 +122,7 @@ def hf_cases(draw) -> dict:
         shards=shards,
         legacy_config=shards > 1 and draw(st.booleans()),
         seed=draw(st.integers(0, 2**16)),
-        prompt_len=draw(st.one_of(st.sampled_from(EDGE_PROMPT_LENGTHS), st.integers(1, 130))),
+        prompt_len=draw(st.sampled_from(EDGE_PROMPT_LENGTHS + list(range(1, 131)))),
     )
 
 
