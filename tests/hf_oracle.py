@@ -434,6 +434,22 @@ def hf_chunked_logits(ckpt_dir, input_ids, split, dtype="float32") -> np.ndarray
     return _np(out2.logits[0])
 
 
+def perturbed_table(table: np.ndarray, sample: int) -> np.ndarray:
+    """`table` with each entry scaled by (1 + s·2⁻²³), s ∈ {−1, 0, 1} from a fixed integer hash of (sample, entry):
+    ~1 ulp changes that give a run with different rounding. No RNG, so the stored references stay valid whatever
+    NumPy's generators do. Sample 0 is the table itself."""
+    if sample == 0:
+        return table
+    with np.errstate(over="ignore"):
+        h = (np.arange(table.size, dtype=np.uint64) + np.uint64(1)) * np.uint64(0x9E3779B97F4A7C15)
+        h ^= np.uint64(sample) * np.uint64(0xBF58476D1CE4E5B9)
+        h ^= h >> np.uint64(31)
+        h *= np.uint64(0x94D049BB133111EB)
+        h ^= h >> np.uint64(29)
+    s = (h % np.uint64(3)).astype(np.float64).reshape(table.shape) - 1.0
+    return (table.astype(np.float64) * (1.0 + s * 2.0**-23)).astype(np.float32)
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # Hub-style re-packaging
 
@@ -574,5 +590,5 @@ def reshard_hub_style(src_dir, dst_dir, n_shards=3, *, legacy_config=True) -> pa
 
 __all__ = [
     "FAMILIES", "make_hf_checkpoint", "randomize_", "hf_load", "hf_logits", "hf_greedy", "hf_chunked_logits",
-    "reshard_hub_style", "clear_cache", "mrope_section_for",
+    "reshard_hub_style", "clear_cache", "mrope_section_for", "perturbed_table",
 ]

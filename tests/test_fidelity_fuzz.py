@@ -8,7 +8,9 @@ results disagree, a genuine float64 forward decides (hf_oracle's float64: expert
 transformers' internal float32 casts removed): qcompile passes when it is within the bound of float64, or no further
 from float64 than 1.5x transformers' own fp32 (a model that amplifies rounding beyond the bound); a greedy token may
 differ only where float64's top-2 margin is within twice the bound (a tie fp32 cannot resolve), and nothing is
-compared after such a tie.
+compared after such a tie. When one sample each cannot decide (qcompile further from float64 than 1.5x transformers'
+fp32 on a model that amplifies rounding ~10³-fold), `spread_test` compares the two over 24 one-ulp perturbations of the
+embedding table: about 1 case in 200 needs it (tests/test_fuzz_regressions.py pins the one found).
 
 The oracle is the class that wrote the checkpoint (config.json's `architectures`), so tied Qwen3.5 wrappers are
 judged by the class that ties them. Configs transformers itself cannot run are filtered out (Hypothesis `assume`),
@@ -26,6 +28,7 @@ import json
 import os
 import shutil
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, assume, given, note, settings
@@ -53,14 +56,73 @@ def write_case(case: dict, root) -> "os.PathLike":
     return hf_oracle.reshard_hub_style(made, root / "hub", n_shards=case["shards"], legacy_config=case["legacy_config"])
 
 
+ENSEMBLE = 24  # one-ulp embedding perturbations for the spread test
+
+
 def within_float64(ours, fp32, f64, bound: float, what: str) -> tuple[float, float]:
     """Where fp32 results disagree: ours must be within the bound of float64, or at least about as close to it as
-    transformers' own fp32 (1.5x: issue 11's criterion) on a model that amplifies rounding beyond the bound."""
+    transformers' own fp32 (1.5x: issue 11's criterion) on a model that amplifies rounding beyond the bound. Returns
+    (ours, transformers) distances to float64; raises Sensitive when only the spread test can decide."""
     ours64, hf64 = float(np.abs(ours - f64).max()), float(np.abs(fp32 - f64).max())
-    assert ours64 <= max(bound, 1.5 * hf64), (
-        f"{what}: {float(np.abs(ours - fp32).max()):.3g} from transformers fp32 (bound {bound:.3g}) and {ours64:.3g} "
-        f"from float64, where transformers fp32 is {hf64:.3g} from it")
+    if ours64 > max(bound, 1.5 * hf64):
+        raise Sensitive(ours64, hf64, what)
     return ours64, hf64
+
+
+class Sensitive(Exception):
+    """One fp32 sample each cannot decide: the model amplifies rounding, and whose error lands closer is luck."""
+
+    def __init__(self, ours64: float, hf64: float, what: str):
+        super().__init__(what)
+        self.ours64, self.hf64, self.what = ours64, hf64, what
+
+
+def spread_test(path, model, engine, ids: list[int], rows: slice, failed: Sensitive, bound: float) -> dict:
+    """Judge qcompile against transformers fp32's spread instead of one sample (tests/test_fuzz_regressions.py has
+    the analysis of the case that needed it): ENSEMBLE runs with the embedding table changed by ~1 ulp
+    (hf_oracle.perturbed_table; a tied head changes with it), each against its own genuine float64 forward, on the
+    logits of `rows` of `ids`. Pass when ours unperturbed is within 1.5x the largest transformers distance seen and
+    the root mean square of ours over the ensemble is at most 2x transformers'. A precision defect shifts the whole
+    distribution; luck does not."""
+    import torch
+
+    m32 = hf_oracle.hf_load(path, "float32", by_architecture=True)
+    m64 = hf_oracle.hf_load(path, "float64", by_architecture=True)
+    emb32, emb64 = m32.get_input_embeddings().weight, m64.get_input_embeddings().weight
+    table = emb32.detach().numpy().copy()
+    refs, params = model.checkpoint.params, model.params
+    tied = refs["lm_head"].sources == refs["embed_tokens"].sources
+    tokens = torch.tensor([ids])
+    ours_runs, hf_runs = [], []
+    try:
+        with torch.no_grad():
+            for k in range(1, ENSEMBLE + 1):
+                t = hf_oracle.perturbed_table(table, k)
+                emb32.copy_(torch.from_numpy(t))
+                emb64.copy_(torch.from_numpy(t).double())
+                f64 = m64(input_ids=tokens, use_cache=False).logits[0, rows].double().numpy()
+                hf32 = m32(input_ids=tokens, use_cache=False).logits[0, rows].double().numpy()
+                table_k = jnp.asarray(t)
+                engine.params = {**params, "embed_tokens": table_k, **({"lm_head": table_k} if tied else {})}
+                seq = engine.add_sequence()
+                ours = np.asarray(engine.step([(seq, ids)], all_logits=True)[0], np.float64)[rows]
+                engine.release(seq)
+                ours_runs.append(float(np.abs(ours - f64).max()))
+                hf_runs.append(float(np.abs(hf32 - f64).max()))
+    finally:
+        engine.params = params
+        with torch.no_grad():
+            emb32.copy_(torch.from_numpy(table))
+            emb64.copy_(torch.from_numpy(table).double())
+    ours_runs, hf_runs = np.array(ours_runs), np.array(hf_runs)
+    widest = max(failed.hf64, float(hf_runs.max()))
+    rms_ratio = float(np.sqrt(np.mean(ours_runs**2) / max(np.mean(hf_runs**2), 1e-300)))
+    assert failed.ours64 <= max(bound, 1.5 * widest) and rms_ratio <= 2.0, (
+        f"{failed.what}: {failed.ours64:.3g} from float64 where transformers fp32 is {failed.hf64:.3g} (widest over "
+        f"{ENSEMBLE} one-ulp embedding perturbations {widest:.3g}); RMS over them ours/transformers {rms_ratio:.2f} "
+        f"(limit 2)")
+    return {"what": failed.what, "ours64": failed.ours64, "hf64": failed.hf64, "widest_hf64": widest,
+            "rms_ratio": rms_ratio}
 
 
 def check_case(case: dict, root) -> dict:
@@ -79,7 +141,10 @@ def check_case(case: dict, root) -> dict:
     report = {"prompt_err": err, "bound": bound, "judged_by_f64": [], "tie_at": None}
     if err > bound:  # in doubt: a genuine float64 forward decides whose fp32 error this is
         f64 = hf_oracle.hf_logits(path, prompt, dtype="float64", by_architecture=True)
-        report["judged_by_f64"].append(("prompt", *within_float64(ours_prompt, ref, f64, bound, "prompt logits")))
+        try:
+            report["judged_by_f64"].append(("prompt", *within_float64(ours_prompt, ref, f64, bound, "prompt logits")))
+        except Sensitive as failed:
+            report["spread"] = spread_test(path, model, engine, prompt, slice(None), failed, bound)
 
     ref_tokens, ref_steps = hf_oracle.hf_greedy(path, prompt, DECODE_STEPS, by_architecture=True)
     f64_tokens = f64_steps = None
@@ -93,8 +158,13 @@ def check_case(case: dict, root) -> dict:
         if f64_tokens[:i] != ours_tokens[:i]:
             break  # float64 took another path earlier (a tie both fp32 runs resolved alike): nothing comparable left
         if mine == theirs:
-            report["judged_by_f64"].append(
-                (f"step {i}", *within_float64(ours_steps[i], ref_steps[i], f64_steps[i], bound, f"decode step {i}")))
+            try:
+                report["judged_by_f64"].append((f"step {i}", *within_float64(ours_steps[i], ref_steps[i],
+                                                                             f64_steps[i], bound, f"decode step {i}")))
+            except Sensitive as failed:  # decode step i's logits = the last row of prompt + tokens[:i], teacher-forced
+                ids = prompt + ours_tokens[:i]
+                report["spread"] = spread_test(path, model, engine, ids, slice(len(ids) - 1, len(ids)), failed,
+                                               bound)
             continue
         top2 = np.sort(np.asarray(f64_steps[i], np.float64))[-2:]
         margin = float(top2[1] - top2[0])
