@@ -139,10 +139,21 @@ def test_block_bound_is_tight_enough():
         assert used <= gm.max_blocks(n, e, b) and worst <= gm.max_blocks(n, e, b)
 
 
-@pytest.mark.skipif(IN_OWN_PROCESS, reason="the runner itself")
-def test_strategies_in_a_fresh_process():
+def _run_in_a_fresh_process(marker: str) -> None:
     env = {**os.environ, "QCOMPILE_GMM_TESTS": "1"}
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__], env=env,
-                         capture_output=True, text=True, timeout=900)
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", marker, __file__],
+                         env=env, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
     assert " passed" in run.stdout and " failed" not in run.stdout
+
+
+@pytest.mark.skipif(IN_OWN_PROCESS, reason="the runner itself")
+def test_strategies_in_a_fresh_process():
+    _run_in_a_fresh_process("not slow")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(IN_OWN_PROCESS, reason="the runner itself")
+def test_slow_strategies_in_a_fresh_process():
+    """The slow-tier cases (the unrolled-experts strategy) in their own process too."""
+    _run_in_a_fresh_process("slow")
