@@ -48,25 +48,18 @@ def qc_logits(path: Path, prompt: list[int], mode: str, target: str, _models: di
 
 # -- transformers in genuine float64 --------------------------------------------------------------------------------
 
-def _hf_model(path: Path, dtype: str):
-    import torch
-    import transformers
+def _oracle():
+    """tests/hf_oracle.py: the suite's transformers loader (fresh parameter memory, genuine float64)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    import hf_oracle
 
-    extra = {"experts_implementation": "eager"} if dtype == "float64" else {}
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype), **extra).eval()
-    with torch.no_grad():  # fresh memory, not views of the mmapped file (CPU GEMM results depend on alignment)
-        for p in model.parameters():
-            p.data = p.data.clone()
-    return model
+    return hf_oracle
 
 
 def true_float64_logits(path: Path, prompt: list[int]) -> np.ndarray:
     """transformers in genuine float64: the test oracle's float64 mode (tests/hf_oracle.py, _install_genuine_float64:
     RMSNorm, gated RMSNorm and GDN core kept in float64, the GDN core as the token-by-token recurrence)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    import hf_oracle
-
-    return hf_oracle.hf_logits(path, prompt, dtype="float64")
+    return _oracle().hf_logits(path, prompt, dtype="float64")
 
 
 def hf_f32_logits(path: Path, prompt: list[int], segment_sums: bool) -> np.ndarray:
@@ -92,7 +85,7 @@ def hf_f32_logits(path: Path, prompt: list[int], segment_sums: bool) -> np.ndarr
         exec(src, namespace)
         hf.torch_chunk_gated_delta_rule = namespace[saved.__name__]
     try:
-        model = _hf_model(path, "float32")
+        model = _oracle().hf_load(path, "float32")
         with torch.no_grad():
             return model(input_ids=torch.tensor([prompt]), use_cache=False).logits[0].double().numpy()
     finally:

@@ -156,7 +156,8 @@ def check_case(case: dict, root) -> dict:
             f64_tokens, f64_steps = hf_oracle.hf_greedy(path, prompt, DECODE_STEPS, dtype="float64",
                                                         by_architecture=True)
         if f64_tokens[:i] != ours_tokens[:i]:
-            break  # float64 took another path earlier (a tie both fp32 runs resolved alike): nothing comparable left
+            report["float64_diverged_at"] = i  # a tie both fp32 runs resolved alike: nothing comparable left
+            break
         if mine == theirs:
             try:
                 report["judged_by_f64"].append((f"step {i}", *within_float64(ours_steps[i], ref_steps[i],

@@ -45,6 +45,9 @@ def test_prompt_logits_as_close_to_float64_as_transformers_fp32(mode, target, re
     hf_err = float(np.abs(refs["hf_f32"] - refs["true_f64"]).max())  # 2.4e-4 (its chunked GDN core: same defect)
     err = float(np.abs(ours - refs["true_f64"]).max())  # after the fix 6e-5 .. 1.2e-4; the chunked form was 5.5e-4
     assert err <= 1.5 * hf_err, f"{mode}/{target}: max |logit - float64| {err:.3g} > 1.5 x transformers fp32 {hf_err:.3g}"
+    # Issue 11's target is the 1.5x above; measured 0.26-0.51x, so hold it at 0.75x: a regression to half the old
+    # decay error (2.7e-4 chunked) would still pass 1.5x but not this.
+    assert err <= 0.75 * hf_err, f"{mode}/{target}: {err:.3g} from float64, above 0.75 x transformers fp32 {hf_err:.3g}"
 
 
 def _exact_delta_rule(q, k, v, g, beta, state):

@@ -16,7 +16,8 @@ tokens. The strategies below do work proportional to N (plus one block per route
 
 - `grouped_matmul_blocks_loop`: rows are cut into blocks of `block` rows that never straddle two experts (a group of
   g rows takes ceil(g/block) blocks); a `lax.while_loop` runs only over the blocks actually used, each one
-  dynamic_slice of `block` rows times its expert's weight slice w[e] ([in, out]) and written back with
+  dynamic_slice of `block` rows times its expert's weight slice w[e] ([in, out]; XLA materialises the dynamically
+  indexed slice, one weight copy per block — `dynamic-slice_bitcast_fusion` in profiles) and written back with
   dynamic_update_slice. Rows of a block past its group's end are computed with the wrong
   expert but are overwritten by the next group's blocks (blocks run in row order), or zeroed at the end when they are
   padding. Weight bytes read = one expert slice per block.
@@ -235,7 +236,8 @@ def choose_strategy(num_rows: int, num_experts: int, k: int, nout: int, dtype) -
     - N ≤ 128: "loop b4": 2.42-2.82 ms (b8 2.59-3.00, b16 3.38-4.64).
     - N ≤ 512: "loop b8": 3.00-3.13 ms at N=256 (b16 3.65-4.48, the former [E, Nout, K] rule's 4.7-5.3), 4.0-5.0 at
       N=512 (b16 3.7-5.8).
-    - N > 512: "loop b32": 5.8-13 ms at N=1024, 8.1-9.6 at N=2048 (b16 9.4-23).
+    - N > 512: "loop b32": 4.5-5.1 ms at N=1024 (b16 4.7-5.5), 6.9-8.0 at N=2048 (b16 7.4-9.2) (a rerun of these
+      two rows, min of 9; the first run's 13 ms for gate/up at N=1024 was noise).
     "experts" (no per-block weight copy) costs 4-30 s of XLA compile per call site at E=64 (E unrolled
     conditionals), so it is never chosen. bf16 takes the same blocks: XLA's bf16 dot on CPU is slow for skinny
     products whatever the strategy (docs/cpu_rules.md); fast bf16 MoE on CPU wants f32 expert weights prepared at
