@@ -6,7 +6,8 @@ Usage: python benchmarks/grouped_matmul_cpu.py [--tokens 1,4,8,32,64,128,256] [-
 Shapes: E=64 experts, top-8 routing (random 8 of 64 per token, fixed seed), N = tokens*8 rows;
   gate/up: K=1024 -> Nout=256 (w [64, 1024, 256]);  down: K=256 -> Nout=1024 (w [64, 256, 1024]) — the op's
   [E, K, Nout] layout (the importer prepares it from the checkpoints' [E, Nout, K]).
-Each strategy is jitted, warmed up once, then timed as the minimum of --repeats runs (other processes share the cores;
+"native" is the C++ custom call (kernels/native.py), f32 only, which grouped_matmul_cpu runs for f32 where it can be
+built. Each strategy is jitted, warmed up once, then timed as the minimum of --repeats runs (other processes share the cores;
 the minimum is the least noisy statistic). Columns: ms; GB/s = bytes of the weights of the experts actually routed
 ÷ time (the decode roofline quantity); GFLOP/s = 2·N_real·K·Nout ÷ time (useful FLOPs only). The reference
 (jax.lax.ragged_dot, which JAX expands to all E experts on CPU) runs only up to --ref-max-tokens (it takes seconds).
@@ -24,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from qcompile.kernels import grouped_matmul as gm
+from qcompile.kernels import native
 
 E, TOPK = 64, 8
 SHAPES = {"gate/up": (1024, 256), "down": (256, 1024)}
@@ -42,7 +44,16 @@ def strategies(n: int, dtype_name: str):
     if n <= 8:
         out["batched b8"] = functools.partial(gm.grouped_matmul_blocks_batched, block=8)
         out["rowwise"] = gm.grouped_matmul_rowwise
+    if dtype_name == "f32" and native.ensure(gm.NATIVE_F32):
+        out["native"] = gm.grouped_matmul_native
     return out
+
+
+def chosen(n: int, k: int, nout: int, dtype) -> str:
+    """The strategy grouped_matmul_cpu runs for this shape."""
+    if dtype == jnp.float32 and native.ensure(gm.NATIVE_F32):
+        return "native"
+    return gm.choose_strategy(n, E, k, nout, dtype)
 
 
 def time_fn(fn, args, repeats: int) -> float:
@@ -116,7 +127,7 @@ def main():
                         continue
                     reps = 2 if name.startswith("reference") else args.repeats
                     t = time_fn(jax.jit(fn), (rows, w, gs), reps)
-                    if name == gm.choose_strategy(n, E, k, nout, dtype):
+                    if name == chosen(n, k, nout, dtype):
                         name = f"**{name}** (chosen)"
                     line = (f"| {dname} | {shape} | {tokens} | {n} | {hit} | {name} | {t * 1e3:.3f} | "
                             f"{wbytes / t / 1e9:.1f} | {flops / t / 1e9:.1f} | {time_fn.first:.2f} |")

@@ -1,6 +1,8 @@
-"""Profile decode steps of the bench preset with jax.profiler and print the HLO ops that take the most time per step.
+"""Profile decode steps (or prefill chunks) of the bench preset with jax.profiler and print the HLO ops that take the
+most time per step.
 
-Run: python benchmarks/profile_decode.py CONCURRENCY  (needs /tmp/bench from `qcompile init-tiny /tmp/bench --preset bench`;
+Run: python benchmarks/profile_decode.py CONCURRENCY [prefill]  (prefill: profile prefilling CONCURRENCY fresh
+128-token prompts in one chunk, as `bench` does up to its 512-token chunks; needs /tmp/bench from `qcompile init-tiny /tmp/bench --preset bench`;
 results quoted in docs/benchmarks.md)."""
 import sys, time, glob, gzip, json, collections, os
 import jax, numpy as np
@@ -15,15 +17,34 @@ first = eng.prefill([(s, rng.integers(3, 32000, 128).tolist()) for s in seqs], w
 last = list(first)
 for _ in range(3):
     last = eng.step_tokens([(s, [t]) for s, t in zip(seqs, last)])
+if len(sys.argv) > 2 and sys.argv[2] == "prefill":
+    def run_step():
+        fresh = [eng.add_sequence() for _ in range(c)]
+        eng.prefill([(s, rng.integers(3, 32000, 128).tolist()) for s in fresh], with_logits=False)
+        for s in fresh:
+            eng.release(s)
+    eng = m.engine(CacheConfig(max_seqs=2 * c, max_context=160, max_step_tokens=128 * c))
+    run_step()
+    t = time.perf_counter()
+    for _ in range(3):
+        run_step()
+    print(f"prefill of {c}x128 tokens, ms", (time.perf_counter() - t) / 3 * 1e3)
+    os.system("rm -rf /tmp/trace")
+    jax.profiler.start_trace("/tmp/trace", create_perfetto_trace=True)
+    for _ in range(5):
+        run_step()
+    jax.profiler.stop_trace()
+    last = None
 t = time.perf_counter()
-for _ in range(10):
+for _ in range(10 if last is not None else 0):
     last = eng.step_tokens([(s, [t]) for s, t in zip(seqs, last)])
-print("decode step ms", (time.perf_counter() - t) / 10 * 1e3)
-os.system("rm -rf /tmp/trace")
-jax.profiler.start_trace("/tmp/trace", create_perfetto_trace=True)
-for _ in range(5):
-    last = eng.step_tokens([(s, [t]) for s, t in zip(seqs, last)])
-jax.profiler.stop_trace()
+if last is not None:
+    print("decode step ms", (time.perf_counter() - t) / 10 * 1e3)
+    os.system("rm -rf /tmp/trace")
+    jax.profiler.start_trace("/tmp/trace", create_perfetto_trace=True)
+    for _ in range(5):
+        last = eng.step_tokens([(s, [t]) for s, t in zip(seqs, last)])
+    jax.profiler.stop_trace()
 f = glob.glob("/tmp/trace/**/*.trace.json.gz", recursive=True)[0]
 ev = json.load(gzip.open(f))
 evs = ev["traceEvents"] if isinstance(ev, dict) else ev

@@ -41,7 +41,8 @@ STRATEGIES = {
     "experts_b1": functools.partial(gm.grouped_matmul_experts_unrolled, block=1),
     "experts_b4": functools.partial(gm.grouped_matmul_experts_unrolled, block=4),
     "rowwise": gm.grouped_matmul_rowwise,
-    "cpu": gm.grouped_matmul_cpu,
+    "jnp": gm.grouped_matmul_jnp,
+    "cpu": gm.grouped_matmul_cpu,  # the native kernel for f32 (built on first use), the jnp rule for bf16
 }
 JITTED = {name: jax.jit(fn) for name, fn in STRATEGIES.items()}
 reference = jax.jit(gm.grouped_matmul_reference)
@@ -104,7 +105,7 @@ def test_bf16_matches_reference(strategy):
 
 
 @in_own_process
-@pytest.mark.parametrize("strategy", ["loop_b4", "batched_b4", "cpu"])
+@pytest.mark.parametrize("strategy", ["loop_b4", "batched_b4", "jnp", "cpu"])
 def test_single_row_and_decode_shapes(strategy):
     # N=1 (block sizes clip to N) and a decode-like N=8 of 16 experts, 8 distinct ones routed.
     for shape, gs in (((1, 3, 8, 4), [0, 1, 0]), ((8, 16, 32, 16), [1, 0] * 8)):

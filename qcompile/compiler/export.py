@@ -29,6 +29,7 @@ from qcompile.ir.lowering import step_function
 #: --target -> the lowering rules its executables are built with.
 TARGET_RULES = {"cpu": "cpu", "tpu": "tpu", "gpu": "gpu"}
 from qcompile.ir.printer import print_graph
+from qcompile.kernels import native
 from qcompile.runtime.artifact import (EXEC_DIR, FORMAT_VERSION, GRAPH_TEXT, MANIFEST, TARGETS, WEIGHTS,
                                        WRITING_MARKER, bucket_file, inside, sha256_file)
 
@@ -119,12 +120,16 @@ def _write(out: Path, graph: Graph, params: dict, *, config_json, cache, target,
     rules = TARGET_RULES[target]
     jitted = {flag: jax.jit(step_function(graph, rules, flag)) for flag in (True, False)}
     show = sys.stderr.isatty() if progress is None else progress
-    buckets, started = [], time.perf_counter()
+    # qcompile's own CPU custom calls (kernels/native.py) are not on jax.export's list of stable targets; the
+    # manifest names them, and loading the artifact builds and registers them before anything is deserialized.
+    allow = [jax.export.DisabledSafetyCheck.custom_call(name) for name in native.KERNELS]
+    buckets, started, natives = [], time.perf_counter(), set()
     for tokens, rows in tqdm(shapes, desc=f"exporting for {platform}", unit="bucket", disable=not show,
                              file=sys.stderr):
         with_logits = rows == tokens  # R = T buckets serve prompt logits; R = B buckets return token ids only
-        exported = jax.export.export(jitted[with_logits], platforms=[platform])(param_specs, caches,
-                                                                                batch_specs(tokens, rows, sizes))
+        exported = jax.export.export(jitted[with_logits], platforms=[platform], disabled_checks=allow)(
+            param_specs, caches, batch_specs(tokens, rows, sizes))
+        natives.update(native.used_by(exported.mlir_module()))
         rel = bucket_file(tokens, rows)
         _write_bytes_atomic(out / rel, bytes(exported.serialize()))
         buckets.append({"tokens": tokens, "rows": rows, "logits": with_logits, "file": rel})
@@ -150,6 +155,7 @@ def _write(out: Path, graph: Graph, params: dict, *, config_json, cache, target,
         "page_size": page_size,
         "cache": cache.to_json(page_size),
         "lowering": rules,
+        "native_kernels": sorted(natives),
         "cache_types": {name: str(t) for name, t in cache_types.items()},
         "buckets": buckets,
         "files": files,

@@ -27,14 +27,17 @@ coincide and are exported once, with logits. The executables are lowered with th
 manifest.json keys: format_version, qcompile_version, jax_version, jaxlib_version, target (cpu | tpu | gpu),
 platform (the jax.export platform: cpu | tpu | cuda), mesh (null: single device), config (the model config),
 page_size, cache (max_seqs, max_context, num_pages, max_step_tokens and the bound sizes B/M/P/S), cache_types
-(name -> IR type text), buckets ([{tokens, rows, logits, file}]), lowering (the rule table the executables use), files ({relative path: {sha256, bytes}} for every file but
-the manifest), plus the caller's `extra` keys (the CLI adds pipeline, passes, equivalence).
+(name -> IR type text), buckets ([{tokens, rows, logits, file}]), lowering (the rule table the executables use),
+native_kernels (qcompile's native CPU custom calls the executables call, kernels/native.py; [] elsewhere), files
+({relative path: {sha256, bytes}} for every file but the manifest), plus the caller's `extra` keys (the CLI adds pipeline, passes, equivalence).
 
 What `load_artifact` verifies, refusing with a one-line CheckpointError (exit 65) naming the file:
   * manifest.json exists, is a JSON object, and its format_version is one this qcompile reads;
   * the target matches the platform this process runs (`jax.default_backend()`);
   * every listed file exists, has the recorded size (truncation) and the recorded sha256 (tampering; streamed in
     chunks, never read whole); listed paths must stay inside the artifact;
+  * the native CPU kernels it names can be built and registered here (else: what is missing, and how to compile
+    without them);
   * every bucket's executable deserializes with the installed jax (else: the exporting vs installed versions),
     was exported for the manifest's platform, and takes exactly the shapes the manifest describes (token bucket,
     logit rows, caches) and the weights in weights.safetensors (names, shapes, dtypes).
@@ -61,6 +64,7 @@ from qcompile.errors import CheckpointError, UsageError, one_line
 from qcompile.frontend.safetensors_io import SafetensorsFile
 from qcompile.ir.abi import CacheConfig, batch_specs, cache_specs
 from qcompile.ir.types import TensorType, parse_type
+from qcompile.kernels import native
 from qcompile.runtime.engine import Engine
 
 FORMAT_VERSION = 2  # 2: buckets carry `logits`; R = B buckets return token ids only
@@ -216,6 +220,18 @@ def _check_exported(path: Path, exported, manifest: dict, expected) -> None:
 CACHE_ENV = "QCOMPILE_CACHE_DIR"
 
 
+def _ensure_native_kernels(manifest: dict, manifest_path: Path) -> None:
+    """Build (once) and register the native CPU kernels the executables call (kernels/native.py)."""
+    names = manifest.get("native_kernels", [])
+    if not isinstance(names, list) or any(name not in native.KERNELS for name in names):
+        raise _refuse(manifest_path, f"native_kernels {names!r} names a kernel this qcompile does not have")
+    for name in names:
+        if not native.ensure(name):
+            raise _refuse(manifest_path, f"its executables call qcompile's native CPU kernel {name}, which is "
+                                         f"unavailable here ({native.status(name)}); install a C++ compiler, or "
+                                         "compile the artifact again with QCOMPILE_NATIVE=off")
+
+
 def use_compilation_cache(manifest: dict) -> Path | None:
     """Point JAX's persistent compilation cache at a directory keyed by the artifact's file hashes, so a second
     `run`/`bench`/`serve` of the same artifact loads the XLA executables instead of compiling them again.
@@ -345,6 +361,7 @@ def load_artifact(path, verify_hashes: bool = True) -> ArtifactModel:
         raise _refuse(manifest_path, "lists no exported buckets")
     _check_files(root, files, verify_hashes)
 
+    _ensure_native_kernels(manifest, manifest_path)
     weights = SafetensorsFile(root / WEIGHTS)  # validates the header and layout; data is read lazily
     param_specs = {name: jax.ShapeDtypeStruct(info.shape, info.np_dtype) for name, info in weights.tensors.items()}
     caches = cache_specs(cache_types, sizes)

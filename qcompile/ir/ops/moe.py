@@ -95,8 +95,8 @@ def _gmm_type(op_, rows, w, group_sizes):
 
 @lowering(GroupedMatmul, "cpu")
 def _gmm_cpu(op_, rows, w, group_sizes):
-    """Without ragged_dot's E× expansion: one matvec per routed row at decode sizes, else a loop over the row blocks
-    in use (kernels/grouped_matmul.py has the measured table behind the choice)."""
+    """Without ragged_dot's E× expansion: qcompile's native kernel for f32 (kernels/native.py), else one matvec per
+    routed row at decode sizes or a loop over the row blocks in use (kernels/grouped_matmul.py has the measurements)."""
     return grouped_matmul_cpu(rows, w, group_sizes)
 
 

@@ -1,0 +1,143 @@
+"""qcompile's native CPU kernels: C++ XLA FFI custom calls, built on first use and registered with JAX.
+
+What: `ensure(name)` makes the custom-call target `name` (a key of `KERNELS`) callable from jitted code on the CPU
+platform — compiling its source under qcompile/kernels/native/ with the system C++ compiler into a cache directory
+the first time, loading it and calling `jax.ffi.register_ffi_target` once per process — and returns whether it is
+available. `status()` says why not. The CPU lowering rules call `ensure` when they are traced, and fall back to their
+jnp strategies when it returns False; a CPU artifact that holds a custom call records its name in the manifest, and
+loading the artifact calls `ensure` before anything is deserialized.
+
+Why native code: the MoE grouped matmul is most of a decode step, and XLA's CPU emitter cannot read a dynamically
+indexed expert slice where it lies (it copies it) or run a few-row dot near the memory bandwidth
+(kernels/grouped_matmul.py and docs/cpu_rules.md have the measurements). JAX's own extension mechanism for that is
+an FFI custom call; TPU and GPU get Pallas kernels instead.
+
+Build: `$CXX` (default c++, then g++, then clang++) with -O3 -march=native, against jaxlib's FFI headers
+(`jax.ffi.include_dir()`). The library is cached as `<cache>/<name>-<key>.so`, the key hashing the source, the
+compiler's version, the jaxlib version and this CPU's model and instruction-set flags (a -march=native library is
+never loaded on another CPU); it is written to a temporary name and renamed, so concurrent builds are safe. Cache
+directory: `$QCOMPILE_NATIVE_DIR`, else `$XDG_CACHE_HOME/qcompile/native`, else `~/.cache/qcompile/native`.
+
+`QCOMPILE_NATIVE=off` disables every native kernel (the jnp rules run instead; the same compile then exports an
+artifact without custom calls, which any CPU can run).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import jax
+import jaxlib
+
+SOURCE_DIR = Path(__file__).with_name("native")
+
+#: custom-call target name -> (source file under native/, exported handler symbol)
+KERNELS = {
+    "qcompile_grouped_matmul_f32": ("grouped_matmul_f32.cc", "QcompileGroupedMatmulF32"),
+}
+
+_registered: dict[str, bool] = {}
+_why_not: dict[str, str] = {}
+
+
+def disabled() -> bool:
+    return os.environ.get("QCOMPILE_NATIVE", "").strip().lower() in ("off", "0", "no", "false")
+
+
+def cache_dir() -> Path:
+    if os.environ.get("QCOMPILE_NATIVE_DIR"):
+        return Path(os.environ["QCOMPILE_NATIVE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "qcompile" / "native"
+
+
+def _compiler() -> str | None:
+    for cand in (os.environ.get("CXX"), "c++", "g++", "clang++"):
+        if cand and shutil.which(cand):
+            return shutil.which(cand)
+    return None
+
+
+def _cpu_identity() -> str:
+    """Model name and instruction-set flags: what -march=native compiled for."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        keep = [ln for ln in lines if ln.split(":")[0].strip() in ("model name", "flags", "Features", "CPU part")]
+        return "\n".join(sorted(set(keep)))
+    except OSError:
+        return f"{platform.machine()} {platform.processor()}"
+
+
+def _library_path(name: str, compiler: str) -> Path:
+    source, _ = KERNELS[name]
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
+    key = hashlib.sha256("\0".join([(SOURCE_DIR / source).read_text(), version, jaxlib.__version__,
+                                    _cpu_identity()]).encode()).hexdigest()[:16]
+    return cache_dir() / f"{name}-{key}.so"
+
+
+def _build(name: str, compiler: str, lib: Path) -> None:
+    source, _ = KERNELS[name]
+    lib.parent.mkdir(parents=True, exist_ok=True)
+    print(f"qcompile: building the native CPU kernel {name} (once; cached in {lib.parent})", file=sys.stderr)
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}-", suffix=".so", dir=lib.parent)
+    os.close(fd)
+    try:
+        cmd = [compiler, "-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w",
+               f"-I{jax.ffi.include_dir()}", str(SOURCE_DIR / source), "-o", tmp]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        if done.returncode != 0:
+            last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+            raise RuntimeError(f"{Path(compiler).name} failed: {last}")
+        os.replace(tmp, lib)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def ensure(name: str) -> bool:
+    """Build (once, cached), load and register the custom call `name` for the CPU platform; False if it cannot be."""
+    if name not in KERNELS:
+        raise KeyError(f"unknown native kernel {name!r}")
+    if disabled():
+        _why_not[name] = "disabled by QCOMPILE_NATIVE=off"
+        return False
+    if name in _registered:
+        return _registered[name]
+    ok = False
+    try:
+        compiler = _compiler()
+        if compiler is None:
+            raise RuntimeError("no C++ compiler found (set CXX, or install g++ or clang++)")
+        lib = _library_path(name, compiler)
+        if not lib.is_file():
+            _build(name, compiler, lib)
+        handle = ctypes.cdll.LoadLibrary(str(lib))
+        jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(handle, KERNELS[name][1])), platform="cpu")
+        ok = True
+    except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as err:
+        _why_not[name] = str(err) or type(err).__name__
+        print(f"qcompile: native CPU kernel {name} unavailable ({_why_not[name]}); using the slower jnp rule",
+              file=sys.stderr)
+    _registered[name] = ok
+    return ok
+
+
+def status(name: str) -> str:
+    """'available' or why the kernel is not (after `ensure`)."""
+    if ensure(name):
+        return "available"
+    return _why_not.get(name, "unavailable")
+
+
+def used_by(module_text: str) -> list[str]:
+    """The native kernels a lowered/exported module calls (by custom-call target name)."""
+    return sorted(name for name in KERNELS if name in module_text)

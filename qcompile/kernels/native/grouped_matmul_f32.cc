@@ -1,0 +1,183 @@
+// qcompile's native CPU grouped matmul (f32), an XLA FFI custom call. Built and registered by
+// qcompile/kernels/native.py; the CPU lowering of grouped_matmul calls it through jax.ffi.ffi_call.
+//
+// out[N, Nout] = rows[N, K] · w[e(r)] with w[E, K, Nout]: rows are sorted by expert, group e owns the consecutive
+// rows [start_e, start_e + g_e) (g clipped to >= 0 and to the rows that exist); rows past the groups come back 0.
+// Accumulation is f32, one product at a time in k order (the reassociating class of a dot).
+//
+// Why a custom call: XLA's CPU emitter copies every dynamically indexed expert slice w[e] before its dot (one 1 MiB
+// copy per block of rows at the bench preset), and its dots run far below the memory bandwidth at the 1-8 rows an
+// expert gets per decode step. This kernel reads each routed expert's weights once, where they lie:
+//   * work items are (expert, chunk of up to kRowChunk rows), shared by the caller and XLA's intra-op thread pool
+//     through an atomic counter (each item writes only its own rows: results do not depend on the thread split);
+//   * an item walks k in blocks whose [kc, Nout] weight slab stays in L2, column panels of 64 inside it, and row
+//     tiles of up to kMr rows inside that; a tile's kMr x 64 accumulators stay in registers over the k block;
+//   * weight rows are prefetched kPrefetchRows ahead (a panel reads 256 bytes per weight row, one row per page at
+//     Nout = 1024, which the hardware prefetchers do not follow across pages).
+// Vectors are GCC vector extensions (16 floats); -march=native maps them to AVX-512, AVX2 or SSE.
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v16u __attribute__((vector_size(64), aligned(4)));
+
+constexpr int kMr = 6;                  // rows per register tile
+constexpr int kNv = 4;                  // 16-float vectors per tile row
+constexpr int64_t kNr = 16 * kNv;       // columns per panel
+constexpr int64_t kPrefetchRows = 16;   // weight rows prefetched ahead within a panel
+constexpr int64_t kSlabFloats = 65536;  // k block: kc = kSlabFloats / Nout (>= 16) weight rows (256 KiB) per slab
+constexpr int64_t kRowChunk = 8 * kMr;  // rows per work item
+
+inline v16 load(const float* p) { return *reinterpret_cast<const v16u*>(p); }
+inline void store(float* p, v16 v) { *reinterpret_cast<v16u*>(p) = v; }
+
+// out[m, 0:16*NV] (+)= x[m, 0:k] · w[0:k, 0:16*NV] for m < MR.
+template <int MR, int NV>
+void tile(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t k, float* out, int64_t ldo, bool add) {
+  v16 acc[MR][NV];
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < NV; ++v) acc[m][v] = add ? load(out + m * ldo + 16 * v) : v16{};
+  for (int64_t kk = 0; kk < k; ++kk) {
+    const float* wr = w + kk * ldw;
+    for (int v = 0; v < NV; ++v) __builtin_prefetch(wr + kPrefetchRows * ldw + 16 * v);
+    v16 b[NV];
+    for (int v = 0; v < NV; ++v) b[v] = load(wr + 16 * v);
+    for (int m = 0; m < MR; ++m) {
+      const v16 a = v16{} + x[m * ldx + kk];
+      for (int v = 0; v < NV; ++v) acc[m][v] += a * b[v];
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < NV; ++v) store(out + m * ldo + 16 * v, acc[m][v]);
+}
+
+template <int NV>
+void tile_rows(const float* x, int64_t ldx, int rows, const float* w, int64_t ldw, int64_t k, float* out, int64_t ldo,
+               bool add) {
+  switch (rows) {
+    case 1: tile<1, NV>(x, ldx, w, ldw, k, out, ldo, add); break;
+    case 2: tile<2, NV>(x, ldx, w, ldw, k, out, ldo, add); break;
+    case 3: tile<3, NV>(x, ldx, w, ldw, k, out, ldo, add); break;
+    case 4: tile<4, NV>(x, ldx, w, ldw, k, out, ldo, add); break;
+    case 5: tile<5, NV>(x, ldx, w, ldw, k, out, ldo, add); break;
+    default: tile<kMr, NV>(x, ldx, w, ldw, k, out, ldo, add); break;
+  }
+}
+
+// Fewer than 16 columns left: scalar loops.
+void narrow(const float* x, int64_t ldx, int rows, const float* w, int64_t ldw, int64_t k, int64_t ncols, float* out,
+            int64_t ldo, bool add) {
+  for (int m = 0; m < rows; ++m) {
+    float* o = out + m * ldo;
+    if (!add) std::memset(o, 0, sizeof(float) * ncols);
+    for (int64_t kk = 0; kk < k; ++kk) {
+      const float a = x[m * ldx + kk];
+      const float* wr = w + kk * ldw;
+      for (int64_t n = 0; n < ncols; ++n) o[n] += a * wr[n];
+    }
+  }
+}
+
+// x[rows, k] · w[k, ncols] into out (+= when add), any ncols: 64-column panels, then 16-column ones, then scalars.
+void panel(const float* x, int64_t ldx, int rows, const float* w, int64_t ldw, int64_t k, int64_t ncols, float* out,
+           int64_t ldo, bool add) {
+  int64_t n = 0;
+  for (; n + kNr <= ncols; n += kNr) tile_rows<kNv>(x, ldx, rows, w + n, ldw, k, out + n, ldo, add);
+  for (; n + 16 <= ncols; n += 16) tile_rows<1>(x, ldx, rows, w + n, ldw, k, out + n, ldo, add);
+  if (n < ncols) narrow(x, ldx, rows, w + n, ldw, k, ncols - n, out + n, ldo, add);
+}
+
+struct Item {
+  int64_t expert, row0, rows;
+};
+
+struct Job {
+  const float* x;
+  const float* w;
+  float* out;
+  int64_t k, nout;
+  std::vector<Item> items;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+};
+
+void run_item(const Job& j, const Item& it) {
+  const float* we = j.w + it.expert * j.k * j.nout;
+  const int64_t kblock = std::max<int64_t>(16, kSlabFloats / std::max<int64_t>(j.nout, 1));
+  for (int64_t k0 = 0; k0 < j.k; k0 += kblock) {
+    const int64_t kc = std::min(kblock, j.k - k0);
+    for (int64_t n0 = 0; n0 < j.nout; n0 += kNr) {
+      const int64_t ncols = std::min(kNr, j.nout - n0);
+      for (int64_t r = 0; r < it.rows; r += kMr) {
+        const int rows = static_cast<int>(std::min<int64_t>(kMr, it.rows - r));
+        const int64_t row = it.row0 + r;
+        panel(j.x + row * j.k + k0, j.k, rows, we + k0 * j.nout + n0, j.nout, kc, ncols, j.out + row * j.nout + n0,
+              j.nout, k0 > 0);
+      }
+    }
+  }
+}
+
+void drain(Job& j) {
+  const int64_t total = static_cast<int64_t>(j.items.size());
+  for (int64_t i; (i = j.next.fetch_add(1)) < total;) {
+    run_item(j, j.items[i]);
+    j.done.fetch_add(1, std::memory_order_release);
+  }
+}
+
+ffi::Error GroupedMatmulF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> rows, ffi::Buffer<ffi::F32> w,
+                            ffi::Buffer<ffi::S32> group_sizes, ffi::ResultBuffer<ffi::F32> out) {
+  const auto rd = rows.dimensions();
+  const auto wd = w.dimensions();
+  const auto gd = group_sizes.dimensions();
+  if (rd.size() != 2 || wd.size() != 3 || gd.size() != 1 || wd[1] != rd[1] || gd[0] != wd[0])
+    return ffi::Error::InvalidArgument("qcompile grouped matmul: expected rows[N,K], w[E,K,Nout], group_sizes[E]");
+  auto job = std::make_shared<Job>();  // shared: a pool task may start after the caller has finished every item
+  job->x = rows.typed_data();
+  job->w = w.typed_data();
+  job->out = out->typed_data();
+  job->k = rd[1];
+  job->nout = wd[2];
+  const int64_t n = rd[0];
+  if (job->k == 0) {
+    std::memset(job->out, 0, sizeof(float) * n * job->nout);
+    return ffi::Error::Success();
+  }
+  const int32_t* gs = group_sizes.typed_data();
+  int64_t row = 0;
+  for (int64_t e = 0; e < wd[0]; ++e) {
+    const int64_t g = std::min<int64_t>(std::max<int64_t>(gs[e], 0), n - row);
+    for (int64_t r = 0; r < g; r += kRowChunk) job->items.push_back({e, row + r, std::min(kRowChunk, g - r)});
+    row += g;
+  }
+  if (row < n) std::memset(job->out + row * job->nout, 0, sizeof(float) * (n - row) * job->nout);
+  const int64_t total = static_cast<int64_t>(job->items.size());
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), total) - 1;
+  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([job] { drain(*job); });
+  drain(*job);
+  while (job->done.load(std::memory_order_acquire) < total) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QcompileGroupedMatmulF32, GroupedMatmulF32,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());

@@ -1,0 +1,155 @@
+"""qcompile's native CPU kernels (qcompile/kernels/native.py): the f32 grouped-matmul custom call against a float64
+NumPy oracle, the switch that turns it off, the fallback when it cannot be built, and artifacts that call it.
+
+Oracle: a float64 per-group product. The kernel accumulates K ≤ 300 f32 products, so its relative error (max|Δ| /
+max|oracle|) is a few 1e-7 (9e-7 measured); 1e-5 catches a wrong expert, a wrong row, a dropped k block or a
+column tail left unwritten (all O(1)). Shapes are drawn to hit every code path of the C++: 64- and 16-column panels
+and the scalar tail (Nout 1..200), row tiles of 1-6 rows and row chunks over 48 (groups up to 70 rows), k blocks
+(K up to 300 with Nout up to 1024, so kc = 65536/Nout = 64 splits K), empty and negative groups (clipped to 0), groups
+summing past N (clipped), padding rows (must come back 0) and N = 0.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from qcompile.kernels import grouped_matmul as gm
+from qcompile.kernels import native
+
+REL = 1e-5
+pytestmark = pytest.mark.skipif(not native.ensure(gm.NATIVE_F32),
+                                reason=f"native kernel unavailable: {native.status(gm.NATIVE_F32)}")
+
+
+def oracle(rows, w, gs):
+    r, wn = np.asarray(rows, np.float64), np.asarray(w, np.float64)
+    want, start = np.zeros((r.shape[0], wn.shape[2])), 0
+    for e, g in enumerate(np.asarray(gs)):
+        g = min(max(int(g), 0), r.shape[0] - start)
+        want[start:start + g] = r[start:start + g] @ wn[e]
+        start += g
+    return want, start
+
+
+def draw_case(rng):
+    n = int(rng.integers(0, 120))
+    e = int(rng.integers(1, 10))
+    k = int(rng.choice([1, 3, 16, 17, 100, 300]))
+    nout = int(rng.choice([1, 5, 15, 16, 17, 63, 64, 65, 130, 200, 1024]))
+    gs = rng.integers(-2, 75, e).astype(np.int32)
+    gs[rng.random(e) < 0.3] = 0
+    return (jnp.asarray(rng.standard_normal((n, k)), jnp.float32),
+            jnp.asarray(rng.standard_normal((e, k, nout)), jnp.float32), jnp.asarray(gs))
+
+
+def test_matches_float64_oracle_on_random_shapes():
+    rng = np.random.default_rng(20261203)
+    call = jax.jit(gm.grouped_matmul_native)
+    for case in range(40):
+        rows, w, gs = draw_case(rng)
+        want, total = oracle(rows, w, gs)
+        got = np.asarray(call(rows, w, gs))
+        assert got.shape == want.shape and got.dtype == np.float32
+        assert np.isfinite(got).all(), f"case {case}: unwritten output"
+        if total:
+            err = np.abs(got - want).max() / max(np.abs(want).max(), 1e-30)
+            assert err <= REL, f"case {case}: rows {rows.shape}, w {w.shape}, groups {np.asarray(gs)}: {err:.2e}"
+        assert not got[total:].any(), f"case {case}: padding rows must be 0"
+
+
+def test_bench_preset_shapes_and_the_cpu_rule_agree_with_the_jnp_rule():
+    """The shapes the bench preset runs (E=64, top-8, K/Nout 1024/256 and 256/1024) at decode and prefill sizes,
+    through `grouped_matmul_cpu` (which picks the native kernel for f32) against the jnp rule it replaces."""
+    rng = np.random.default_rng(7)
+    for tokens, (k, nout) in ((1, (1024, 256)), (32, (256, 1024)), (128, (1024, 256))):
+        ids = np.stack([rng.choice(64, 8, replace=False) for _ in range(tokens)])
+        gs = jnp.asarray(np.bincount(ids.reshape(-1), minlength=64).astype(np.int32))
+        rows = jnp.asarray(rng.standard_normal((tokens * 8, k)), jnp.float32)
+        w = jnp.asarray(rng.standard_normal((64, k, nout)) / np.sqrt(k), jnp.float32)
+        got, want = jax.jit(gm.grouped_matmul_cpu)(rows, w, gs), jax.jit(gm.grouped_matmul_jnp)(rows, w, gs)
+        assert np.abs(np.asarray(got) - np.asarray(want)).max() <= REL * np.abs(np.asarray(want)).max()
+
+
+def test_cpu_rule_lowers_to_the_custom_call_for_f32_only():
+    rows, w, gs = jnp.ones((8, 16), jnp.float32), jnp.ones((4, 16, 8), jnp.float32), jnp.asarray([2, 2, 2, 2])
+    assert gm.NATIVE_F32 in jax.jit(gm.grouped_matmul_cpu).lower(rows, w, gs).as_text()
+    bf16 = jax.jit(gm.grouped_matmul_cpu).lower(rows.astype(jnp.bfloat16), w.astype(jnp.bfloat16), gs).as_text()
+    assert gm.NATIVE_F32 not in bf16
+
+
+PROBE = """
+import json, sys, jax, jax.numpy as jnp, numpy as np
+from qcompile.kernels import grouped_matmul as gm, native
+rows, w, gs = jnp.ones((8, 16), jnp.float32), jnp.ones((4, 16, 8), jnp.float32), jnp.asarray([2, 2, 2, 2])
+text = jax.jit(gm.grouped_matmul_cpu).lower(rows, w, gs).as_text()
+out = np.asarray(jax.jit(gm.grouped_matmul_cpu)(rows, w, gs))
+print(json.dumps({"custom_call": gm.NATIVE_F32 in text, "status": native.status(gm.NATIVE_F32),
+                  "result_ok": bool(np.all(out == 16.0))}))
+"""
+
+
+def _probe(env_changes, tmp_path):
+    env = {**os.environ, **env_changes}
+    run = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=300,
+                         cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-2000:]
+    return json.loads(run.stdout.strip().splitlines()[-1]), run.stderr
+
+
+def test_qcompile_native_off_uses_the_jnp_rule(tmp_path):
+    got, _ = _probe({"QCOMPILE_NATIVE": "off"}, tmp_path)
+    assert got == {"custom_call": False, "status": "disabled by QCOMPILE_NATIVE=off", "result_ok": True}
+
+
+def test_without_a_compiler_it_says_so_once_and_falls_back(tmp_path):
+    got, stderr = _probe({"PATH": str(tmp_path), "CXX": "", "QCOMPILE_NATIVE_DIR": str(tmp_path / "empty")}, tmp_path)
+    assert got["custom_call"] is False and got["result_ok"] is True
+    assert "no C++ compiler found" in got["status"]
+    assert stderr.count("using the slower jnp rule") == 1
+
+
+def test_a_fresh_cache_builds_once_then_loads(tmp_path):
+    cache = tmp_path / "native"
+    first, stderr1 = _probe({"QCOMPILE_NATIVE_DIR": str(cache)}, tmp_path)
+    second, stderr2 = _probe({"QCOMPILE_NATIVE_DIR": str(cache)}, tmp_path)
+    assert first == second == {"custom_call": True, "status": "available", "result_ok": True}
+    assert "building the native CPU kernel" in stderr1 and "building" not in stderr2
+    libs = list(cache.glob("*.so"))
+    assert len(libs) == 1 and libs[0].name.startswith(gm.NATIVE_F32)
+    assert not list(cache.glob(".*")), "no temporary file left behind"
+
+
+def test_artifact_names_the_kernel_and_refuses_an_unknown_one(tmp_path):
+    from qcompile.compiler.export import write_artifact
+    from qcompile.errors import CheckpointError
+    from qcompile.frontend.tiny import write_tiny
+    from qcompile.ir.abi import CacheConfig
+    from qcompile.runtime.artifact import MANIFEST, load_artifact
+    from qcompile.runtime.model import load_model
+
+    model = load_model(write_tiny(tmp_path / "ckpt", family="qwen3_next", seed=3), progress=False)
+    cache = CacheConfig(max_seqs=1, max_context=32, max_step_tokens=4)
+    out = tmp_path / "art"
+    manifest = write_artifact(out, model.graph, model.params, config_json=model.checkpoint.config.to_json(),
+                              cache=cache, target="cpu", progress=False)
+    assert manifest["native_kernels"] == [gm.NATIVE_F32]
+    want = model.engine(cache).generate([[5, 6, 7]], 3)["tokens"]
+    assert load_artifact(out).engine().generate([[5, 6, 7]], 3)["tokens"] == want
+
+    bad = tmp_path / "bad"
+    shutil.copytree(out, bad)
+    m = json.loads((bad / MANIFEST).read_text())
+    m["native_kernels"] = ["qcompile_warp_drive"]
+    (bad / MANIFEST).write_text(json.dumps(m))
+    with pytest.raises(CheckpointError, match="names a kernel this qcompile does not have") as info:
+        load_artifact(bad)
+    assert info.value.exit_code == 65
