@@ -13,7 +13,7 @@ import pytest
 
 import qcompile.ir.importer  # noqa: F401  (registers the op catalogue)
 from qcompile.ir.ops.attention import PagedAttention
-from qcompile.ir.ops.core import Linear
+from qcompile.ir.ops.core import Greedy, Linear
 from qcompile.ir.ops.gdn import CausalConv1d, GdnRecurrence
 from qcompile.ir.ops.moe import GroupedMatmul
 from qcompile.ir.registry import lowering_rule, target_rules
@@ -85,6 +85,16 @@ def _linear_case(rng, batch, dtype):
     return Linear(), (rng.standard_normal((rows, 48)).astype(dtype), rng.standard_normal((40, 48)).astype(dtype))
 
 
+def _greedy_case(rng, batch, dtype):
+    """Logits with a tied maximum (the lowest index wins), an all -inf row and a NaN row (its first NaN wins)."""
+    rows = BATCHES[batch][2]
+    logits = rng.standard_normal((rows, 50)).astype(np.float32)
+    logits[0, [7, 30]] = logits[0].max() + 1.0
+    logits[1, :] = -np.inf
+    logits[2, [41, 45]] = np.nan
+    return Greedy(), (logits,)
+
+
 def _gmm_case(rng, batch, dtype):
     new = BATCHES[batch][0]
     experts, top_k, hidden, out = 8, 2, 32, 24
@@ -97,7 +107,7 @@ def _gmm_case(rng, batch, dtype):
 
 
 CASES = {"paged_attention": _attention_case, "causal_conv1d": _conv_case, "gdn_recurrence": _gdn_case,
-         "linear": _linear_case, "grouped_matmul": _gmm_case}
+         "linear": _linear_case, "grouped_matmul": _gmm_case, "greedy": _greedy_case}
 
 
 def test_every_target_rule_has_cases():

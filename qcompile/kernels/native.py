@@ -13,9 +13,10 @@ indexed expert slice where it lies (it copies it) or run a few-row dot near the 
 an FFI custom call; TPU and GPU get Pallas kernels instead.
 
 Build: `$CXX` (default c++, then g++, then clang++) with -O3 -march=native, against jaxlib's FFI headers
-(`jax.ffi.include_dir()`). The library is cached as `<cache>/<name>-<key>.so`, the key hashing the source, the
-compiler's version, the jaxlib version and this CPU's model and instruction-set flags (a -march=native library is
-never loaded on another CPU); it is written to a temporary name and renamed, so concurrent builds are safe. Cache
+(`jax.ffi.include_dir()`) and the shared headers in native/. The library is cached as `<cache>/<name>-<key>.so`, the
+key hashing the source and those headers, the compiler's version, the jaxlib version and this CPU's model and
+instruction-set flags (a -march=native library is never loaded on another CPU); it is written to a temporary name and
+renamed, so concurrent builds are safe. Cache
 directory: `$QCOMPILE_NATIVE_DIR`, else `$XDG_CACHE_HOME/qcompile/native`, else `~/.cache/qcompile/native`.
 
 `QCOMPILE_NATIVE=off` disables every native kernel (the jnp rules run instead; the same compile then exports an
@@ -42,10 +43,12 @@ SOURCE_DIR = Path(__file__).with_name("native")
 #: custom-call target name -> (source file under native/, exported handler symbol)
 KERNELS = {
     "qcompile_grouped_matmul_f32": ("grouped_matmul_f32.cc", "QcompileGroupedMatmulF32"),
+    "qcompile_linear_f32": ("linear_f32.cc", "QcompileLinearF32"),
 }
 
 _registered: dict[str, bool] = {}
 _why_not: dict[str, str] = {}
+_said: set[str] = set()
 
 
 def disabled() -> bool:
@@ -79,7 +82,8 @@ def _cpu_identity() -> str:
 def _library_path(name: str, compiler: str) -> Path:
     source, _ = KERNELS[name]
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
-    key = hashlib.sha256("\0".join([(SOURCE_DIR / source).read_text(), version, jaxlib.__version__,
+    headers = [path.read_text() for path in sorted(SOURCE_DIR.glob("*.h"))]  # shared by every kernel's source
+    key = hashlib.sha256("\0".join([(SOURCE_DIR / source).read_text(), *headers, version, jaxlib.__version__,
                                     _cpu_identity()]).encode()).hexdigest()[:16]
     return cache_dir() / f"{name}-{key}.so"
 
@@ -92,7 +96,7 @@ def _build(name: str, compiler: str, lib: Path) -> None:
     os.close(fd)
     try:
         cmd = [compiler, "-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w",
-               f"-I{jax.ffi.include_dir()}", str(SOURCE_DIR / source), "-o", tmp]
+               f"-I{jax.ffi.include_dir()}", f"-I{SOURCE_DIR}", str(SOURCE_DIR / source), "-o", tmp]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         if done.returncode != 0:
             last = (done.stderr.strip().splitlines() or ["no output"])[-1]
@@ -125,8 +129,10 @@ def ensure(name: str) -> bool:
         ok = True
     except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as err:
         _why_not[name] = str(err) or type(err).__name__
-        print(f"qcompile: native CPU kernel {name} unavailable ({_why_not[name]}); using the slower jnp rule",
-              file=sys.stderr)
+        if _why_not[name] not in _said:  # one line per cause: no compiler is one line, not one per kernel
+            _said.add(_why_not[name])
+            print(f"qcompile: native CPU kernel {name} unavailable ({_why_not[name]}); using the slower jnp rules",
+                  file=sys.stderr)
     _registered[name] = ok
     return ok
 

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from qcompile.ir.cost import Cost, cost, nbytes
 from qcompile.ir.registry import expect, lowering, op, type_rule
 from qcompile.ir.types import TensorType, num_elements_key, np_dtype
+from qcompile.kernels.linear import greedy_cpu, linear_cpu
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -104,9 +105,8 @@ def _linear(op_, x, w):
 
 @lowering(Linear, "cpu")
 def _linear_cpu(op_, x, w):
-    """XLA CPU's default f32 dot is already full precision (no Precision.HIGHEST: bit-identical, measured)."""
-    y = jnp.einsum("...k,nk->...n", x, w, preferred_element_type=jnp.float32)
-    return y.astype(x.dtype)
+    """The native few-row kernel at decode, XLA's dot otherwise (kernels/linear.py)."""
+    return linear_cpu(x, w)
 
 
 @op("reshape")
@@ -314,6 +314,12 @@ def _greedy_type(op_, logits):
 @lowering(Greedy)
 def _greedy(op_, logits):
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+
+@lowering(Greedy, "cpu")
+def _greedy_cpu(op_, logits):
+    """Two plain reductions instead of XLA CPU's slow (value, index) reduction (kernels/linear.py)."""
+    return greedy_cpu(logits)
 
 
 # -- costs (qcompile/ir/cost.py) -------------------------------------------------------------------------------------

@@ -8,8 +8,8 @@
 // Why a custom call: XLA's CPU emitter copies every dynamically indexed expert slice w[e] before its dot (one 1 MiB
 // copy per block of rows at the bench preset), and its dots run far below the memory bandwidth at the 1-8 rows an
 // expert gets per decode step. This kernel reads each routed expert's weights once, where they lie:
-//   * work items are (expert, chunk of up to kRowChunk rows), shared by the caller and XLA's intra-op thread pool
-//     through an atomic counter (each item writes only its own rows: results do not depend on the thread split);
+//   * work items are (expert, chunk of up to kRowChunk rows), run on the caller and XLA's intra-op threads
+//     (parallel_items.h; each item writes only its own rows: results do not depend on the thread split);
 //   * an item walks k in blocks whose [kc, Nout] weight slab stays in L2, column panels of 64 inside it, and row
 //     tiles of up to kMr rows inside that; a tile's kMr x 64 accumulators stay in registers over the k block;
 //   * weight rows are prefetched kPrefetchRows ahead (a panel reads 256 bytes per weight row, one row per page at
@@ -17,13 +17,12 @@
 // Vectors are GCC vector extensions (16 floats); -march=native maps them to AVX-512, AVX2 or SSE.
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <memory>
-#include <thread>
 #include <vector>
 
+#include "parallel_items.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -109,8 +108,6 @@ struct Job {
   float* out;
   int64_t k, nout;
   std::vector<Item> items;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
 };
 
 void run_item(const Job& j, const Item& it) {
@@ -130,14 +127,6 @@ void run_item(const Job& j, const Item& it) {
   }
 }
 
-void drain(Job& j) {
-  const int64_t total = static_cast<int64_t>(j.items.size());
-  for (int64_t i; (i = j.next.fetch_add(1)) < total;) {
-    run_item(j, j.items[i]);
-    j.done.fetch_add(1, std::memory_order_release);
-  }
-}
-
 ffi::Error GroupedMatmulF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> rows, ffi::Buffer<ffi::F32> w,
                             ffi::Buffer<ffi::S32> group_sizes, ffi::ResultBuffer<ffi::F32> out) {
   const auto rd = rows.dimensions();
@@ -145,7 +134,7 @@ ffi::Error GroupedMatmulF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> rows, ff
   const auto gd = group_sizes.dimensions();
   if (rd.size() != 2 || wd.size() != 3 || gd.size() != 1 || wd[1] != rd[1] || gd[0] != wd[0])
     return ffi::Error::InvalidArgument("qcompile grouped matmul: expected rows[N,K], w[E,K,Nout], group_sizes[E]");
-  auto job = std::make_shared<Job>();  // shared: a pool task may start after the caller has finished every item
+  auto job = std::make_shared<Job>();  // shared with the items, which may run after this frame returns
   job->x = rows.typed_data();
   job->w = w.typed_data();
   job->out = out->typed_data();
@@ -164,11 +153,8 @@ ffi::Error GroupedMatmulF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> rows, ff
     row += g;
   }
   if (row < n) std::memset(job->out + row * job->nout, 0, sizeof(float) * (n - row) * job->nout);
-  const int64_t total = static_cast<int64_t>(job->items.size());
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), total) - 1;
-  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([job] { drain(*job); });
-  drain(*job);
-  while (job->done.load(std::memory_order_acquire) < total) std::this_thread::yield();
+  qcompile_native::parallel_items(pool, static_cast<int64_t>(job->items.size()),
+                                  [job](int64_t i) { run_item(*job, job->items[i]); });
   return ffi::Error::Success();
 }
 
