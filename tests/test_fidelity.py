@@ -139,5 +139,7 @@ def test_chunked_prefill_under_a_token_budget_gives_the_same_result(hf_checkpoin
     whole = model.engine(CacheConfig(max_seqs=4, max_context=64)).generate(prompts, 3, prompt_logits=True)
     small = model.engine(CacheConfig(max_seqs=4, max_context=64, max_step_tokens=8)).generate(prompts, 3, prompt_logits=True)
     assert small["tokens"] == whole["tokens"]
+    # The 8-token steps run the native few-row linear kernel, the whole prefill XLA's dot: the same products summed
+    # in another order (1.3e-5 relative measured). Chunking mistakes (a state or KV not carried over) are O(1e-1).
     for a, b in zip(small["prompt_logits"], whole["prompt_logits"]):
-        assert_close(a, b, "budgeted prefill", rel=1e-5)
+        assert_close(a, b, "budgeted prefill", rel=5e-5)

@@ -22,12 +22,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from qcompile.kernels import gdn
 from qcompile.kernels import grouped_matmul as gm
 from qcompile.kernels import linear as lin
 from qcompile.kernels import native
 
 REL = 1e-5
-pytestmark = pytest.mark.skipif(not (native.ensure(gm.NATIVE_F32) and native.ensure(lin.NATIVE_F32)),
+pytestmark = pytest.mark.skipif(not all(native.ensure(name) for name in native.KERNELS),
                                 reason=f"native kernels unavailable: {native.status(gm.NATIVE_F32)}")
 
 
@@ -117,6 +118,67 @@ def test_linear_rule_uses_the_kernel_for_few_f32_rows_only():
     assert lin.NATIVE_F32 not in text(jnp.ones((8, 32), jnp.bfloat16), w.astype(jnp.bfloat16))
 
 
+def gdn_oracle(q, k, v, g, beta, state, query_start, slots):
+    """The delta rule token by token in float64, written from spec/model.md §3.5 (decay, write, then read)."""
+    q, k, v, g, beta, st = (np.asarray(a, np.float64) for a in (q, k, v, g, beta, state))
+    st = st.copy()
+    out = np.zeros(v.shape)
+    qs = np.asarray(query_start)
+    for b, slot in enumerate(np.asarray(slots)):
+        s = st[slot] if 0 <= slot < st.shape[0] else np.zeros(st.shape[1:])
+        for t in range(qs[b], qs[b + 1]):
+            s = s * np.exp(g[t])[:, None, None]
+            delta = beta[t][:, None] * (v[t] - np.einsum("hkv,hk->hv", s, k[t]))
+            s = s + k[t][:, :, None] * delta[:, None, :]
+            out[t] = np.einsum("hkv,hk->hv", s, q[t])
+        if 0 <= slot < st.shape[0]:
+            st[slot] = s
+    pad = slice(qs[-1], None)
+    out[pad] = (np.sum(k[pad] * q[pad], -1) * beta[pad])[..., None] * v[pad]
+    return out, st
+
+
+def test_gdn_recurrence_matches_float64_oracle():
+    """Decode (one token per sequence), prefill (chained tokens), mixed batches with empty sequences, padding token
+    slots, an out-of-range slot (reads a zero state, writes nothing), untouched slots (kept bit-identical), dv not a
+    multiple of 16. Measured ≤ 1e-6 relative; 1e-5 catches a missing decay, the read before the write, a wrong head or
+    a state written to the wrong slot (all O(1))."""
+    rng = np.random.default_rng(11)
+    call = jax.jit(gdn.gdn_recurrent_native)
+    cases = [  # (new tokens per sequence, T, slots, S)
+        ([1, 1, 1], 4, [2, 0, 3], 5),
+        ([5, 1, 0, 9], 16, [1, 4, 0, 2], 5),
+        ([40], 40, [0], 1),
+        ([2, 3], 8, [7, 1], 3),      # slot 7 is out of range
+    ]
+    for h, dk, dv in ((2, 8, 12), (8, 128, 128)):
+        for new, num_tokens, slots, num_slots in cases:
+            qs = np.concatenate([[0], np.cumsum(new)]).astype(np.int32)
+            unit = lambda *shape: rng.standard_normal(shape) / np.sqrt(shape[-1])  # noqa: E731
+            q, k = unit(num_tokens, h, dk), unit(num_tokens, h, dk)
+            v = rng.standard_normal((num_tokens, h, dv))
+            g, beta = -rng.uniform(0.01, 1.0, (num_tokens, h)), rng.uniform(0.1, 0.9, (num_tokens, h))
+            state = rng.standard_normal((num_slots, h, dk, dv))
+            args = [jnp.asarray(a, jnp.float32) for a in (q, k, v, g, beta, state)]
+            args += [jnp.asarray(qs), jnp.asarray(np.array(slots, np.int32))]
+            want_out, want_state = gdn_oracle(*args)
+            got_out, got_state = (np.asarray(a) for a in call(*args))
+            for got, want in ((got_out, want_out), (got_state, want_state)):
+                err = np.abs(got - want).max() / np.abs(want).max()
+                assert err <= REL, f"h={h} dk={dk} dv={dv} new={new}: {err:.2e}"
+            untouched = sorted(set(range(num_slots)) - set(slots))
+            assert np.array_equal(got_state[untouched], np.asarray(args[5])[untouched])
+
+
+def test_gdn_rule_uses_the_kernel_and_updates_the_state_in_place():
+    """The CPU rule lowers to the custom call with the new state aliasing the old (no state copy in the module)."""
+    q = jnp.ones((4, 2, 8), jnp.float32)
+    args = (q, q, jnp.ones((4, 2, 8)), jnp.zeros((4, 2)), jnp.ones((4, 2)), jnp.zeros((3, 2, 8, 8)),
+            jnp.asarray([0, 1, 2, 3], jnp.int32), jnp.asarray([0, 1, 2], jnp.int32))
+    text = jax.jit(gdn.gdn_recurrence_cpu, donate_argnums=5).lower(*args).as_text()
+    assert gdn.NATIVE_F32 in text and "output_operand_aliases" in text
+
+
 PROBE = """
 import json, sys, jax, jax.numpy as jnp, numpy as np
 from qcompile.kernels import grouped_matmul as gm, linear as lin, native
@@ -173,7 +235,7 @@ def test_artifact_names_the_kernel_and_refuses_an_unknown_one(tmp_path):
     out = tmp_path / "art"
     manifest = write_artifact(out, model.graph, model.params, config_json=model.checkpoint.config.to_json(),
                               cache=cache, target="cpu", progress=False)
-    assert manifest["native_kernels"] == sorted([gm.NATIVE_F32, lin.NATIVE_F32])
+    assert manifest["native_kernels"] == sorted([gm.NATIVE_F32, lin.NATIVE_F32, gdn.NATIVE_F32])
     want = model.engine(cache).generate([[5, 6, 7]], 3)["tokens"]
     assert load_artifact(out).engine().generate([[5, 6, 7]], 3)["tokens"] == want
 

@@ -44,6 +44,7 @@ SOURCE_DIR = Path(__file__).with_name("native")
 KERNELS = {
     "qcompile_grouped_matmul_f32": ("grouped_matmul_f32.cc", "QcompileGroupedMatmulF32"),
     "qcompile_linear_f32": ("linear_f32.cc", "QcompileLinearF32"),
+    "qcompile_gdn_recurrent_f32": ("gdn_recurrent_f32.cc", "QcompileGdnRecurrentF32"),
 }
 
 _registered: dict[str, bool] = {}
@@ -99,8 +100,9 @@ def _build(name: str, compiler: str, lib: Path) -> None:
                f"-I{jax.ffi.include_dir()}", f"-I{SOURCE_DIR}", str(SOURCE_DIR / source), "-o", tmp]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         if done.returncode != 0:
-            last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-            raise RuntimeError(f"{Path(compiler).name} failed: {last}")
+            lines = done.stderr.strip().splitlines() or ["no output"]
+            first_error = next((line for line in lines if "error" in line), lines[-1])
+            raise RuntimeError(f"{Path(compiler).name} failed: {first_error.strip()}")
         os.replace(tmp, lib)
     finally:
         if os.path.exists(tmp):
