@@ -55,3 +55,15 @@ for e in evs:
 tot = 0
 for name, d in agg.most_common(40):
     print(f"{d/5/1e3:8.2f} ms/step  x{cnt[name]//5:4d}  {name[:100]}")
+# Which custom call is which: map ffi_call.N in the trace to its target through the compiled step's HLO.
+import re as _re
+if last is not None:
+    fn = eng.program._jitted[False]
+    hlo = fn.lower(eng.params, eng.caches, eng.last_batch).compile().as_text()
+    targets = dict(_re.findall(r"(ffi_call(?:\.\d+)?) = .*?custom_call_target=\"(\w+)\"", hlo))
+    per = collections.Counter(); n = collections.Counter()
+    for name, d in agg.items():
+        if name in targets:
+            per[targets[name]] += d; n[targets[name]] += 1
+    for name, d in per.most_common():
+        print(f"{d/5/1e3:8.2f} ms/step  x{n[name]//5:4d}  {name}")
