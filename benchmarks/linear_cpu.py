@@ -13,26 +13,16 @@ Then greedy: jnp.argmax against the two-reduction rule at [T, 32000].
 from __future__ import annotations
 
 import argparse
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from timing import best_ms
 
 from qcompile.kernels import linear as lin
 from qcompile.kernels import native
 
 SHAPES = [(1024, 4096), (4096, 1024), (2048, 1024), (1024, 32000)]  # (K, N)
-
-
-def best_ms(fn, *args, repeats: int) -> float:
-    fn(*args).block_until_ready()
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        fn(*args).block_until_ready()
-        times.append(time.perf_counter() - started)
-    return min(times) * 1e3
 
 
 def main() -> None:

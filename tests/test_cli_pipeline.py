@@ -37,7 +37,14 @@ def test_passes_command_lists_the_table(toy_registry, capsys):
     assert "2+ devices" in next(line for line in lines if line.startswith("needs-devices"))
 
 
-def test_passes_command_with_no_registered_passes(capsys):
+def test_passes_command_lists_the_real_passes(capsys):
+    code, out, _ = cli(capsys, "passes")
+    line = next(line for line in out.splitlines() if line.startswith("swiglu-fusion"))
+    assert code == 0 and "yes" in line and "reassociating" in line and "SwiGLU MLPs" in line
+
+
+def test_passes_command_with_no_registered_passes(capsys, monkeypatch):
+    monkeypatch.setattr(registry, "PASSES", {})
     code, out, _ = cli(capsys, "passes")
     assert code == 0 and "no passes are registered yet" in out
 

@@ -13,9 +13,9 @@ import pytest
 
 import qcompile.ir.importer  # noqa: F401  (registers the op catalogue)
 from qcompile.ir.ops.attention import PagedAttention
-from qcompile.ir.ops.core import Greedy, Linear
+from qcompile.ir.ops.core import Greedy, Linear, LinearSwiglu
 from qcompile.ir.ops.gdn import CausalConv1d, GdnRecurrence
-from qcompile.ir.ops.moe import GroupedMatmul
+from qcompile.ir.ops.moe import GroupedMatmul, GroupedMatmulSwiglu
 from qcompile.ir.registry import lowering_rule, target_rules
 
 BOUND = {"f32": 1e-5, "bf16": 1e-2}
@@ -106,8 +106,19 @@ def _gmm_case(rng, batch, dtype):
     return GroupedMatmul(), (rows, w, group_sizes)
 
 
+def _gmm_swiglu_case(rng, batch, dtype):
+    _, (rows, w, group_sizes) = _gmm_case(rng, batch, dtype)
+    return GroupedMatmulSwiglu(), (rows, w, group_sizes)  # w [E, 32, 24]: [gate | up] of width 12 each
+
+
+def _linear_swiglu_case(rng, batch, dtype):
+    _, (x, w) = _linear_case(rng, batch, dtype)
+    return LinearSwiglu(), (x, w)  # w [40, 48]: [gate ; up] of 20 rows each
+
+
 CASES = {"paged_attention": _attention_case, "causal_conv1d": _conv_case, "gdn_recurrence": _gdn_case,
-         "linear": _linear_case, "grouped_matmul": _gmm_case, "greedy": _greedy_case}
+         "linear": _linear_case, "grouped_matmul": _gmm_case, "greedy": _greedy_case,
+         "grouped_matmul_swiglu": _gmm_swiglu_case, "linear_swiglu": _linear_swiglu_case}
 
 
 def test_every_target_rule_has_cases():
@@ -117,7 +128,7 @@ def test_every_target_rule_has_cases():
 
 def _valid_rows(op, operands, ref):
     """Rows the contract defines: padding token slots (and padded grouped-matmul rows) may differ."""
-    if isinstance(op, GroupedMatmul):
+    if isinstance(op, (GroupedMatmul, GroupedMatmulSwiglu)):
         return slice(0, int(np.sum(operands[2])))
     if isinstance(op, (PagedAttention, CausalConv1d, GdnRecurrence)):
         query_start = operands[4] if not isinstance(op, CausalConv1d) else operands[3]

@@ -291,3 +291,39 @@ def grouped_matmul_jnp(rows, w, group_sizes):
     kind, block = name.split(" b")
     fn = grouped_matmul_blocks_loop if kind == "loop" else grouped_matmul_experts_unrolled
     return fn(rows, w, group_sizes, block=int(block))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# SwiGLU-fused form (the swiglu-fusion pass): w = [gate | up] along Nout = 2I, result [N, I]
+
+
+NATIVE_SWIGLU_F32 = "qcompile_grouped_matmul_swiglu_f32"
+
+
+def swiglu_halves(y):
+    """silu(y[..., :I]) · y[..., I:] in y's dtype — what silu(gate) · up computes in the unfused graph."""
+    half = y.shape[-1] // 2
+    return jax.nn.silu(y[..., :half]) * y[..., half:]
+
+
+def grouped_matmul_swiglu_reference(rows, w, group_sizes):
+    """The fused op's reference rule: one ragged_dot over the 2I columns, then the SwiGLU halves."""
+    return swiglu_halves(grouped_matmul_reference(rows, w, group_sizes))
+
+
+def grouped_matmul_swiglu_native(rows, w, group_sizes):
+    """The native f32 kernel with the SwiGLU epilogue (kernels/native/grouped_matmul_f32.cc); call only after
+    `native.ensure(NATIVE_SWIGLU_F32)` returned True."""
+    n, half = rows.shape[0], w.shape[2] // 2
+    if n == 0:
+        return jnp.zeros((0, half), rows.dtype)
+    call = jax.ffi.ffi_call(NATIVE_SWIGLU_F32, jax.ShapeDtypeStruct((n, half), jnp.float32))
+    return call(rows.astype(jnp.float32), w.astype(jnp.float32), group_sizes.astype(jnp.int32))
+
+
+def grouped_matmul_swiglu_cpu(rows, w, group_sizes):
+    """CPU rule of the fused op: the native kernel with its epilogue for f32, else the jnp strategy over the 2I
+    columns (one weight sweep instead of two) and the halves."""
+    if rows.dtype == jnp.float32 and w.dtype == jnp.float32 and native.ensure(NATIVE_SWIGLU_F32):
+        return grouped_matmul_swiglu_native(rows, w, group_sizes)
+    return swiglu_halves(grouped_matmul_jnp(rows, w, group_sizes))

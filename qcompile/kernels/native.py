@@ -43,6 +43,7 @@ SOURCE_DIR = Path(__file__).with_name("native")
 #: custom-call target name -> (source file under native/, exported handler symbol)
 KERNELS = {
     "qcompile_grouped_matmul_f32": ("grouped_matmul_f32.cc", "QcompileGroupedMatmulF32"),
+    "qcompile_grouped_matmul_swiglu_f32": ("grouped_matmul_f32.cc", "QcompileGroupedMatmulSwigluF32"),
     "qcompile_linear_f32": ("linear_f32.cc", "QcompileLinearF32"),
     "qcompile_gdn_recurrent_f32": ("gdn_recurrent_f32.cc", "QcompileGdnRecurrentF32"),
 }

@@ -1,17 +1,18 @@
 """The pass table and the `--passes` SPEC syntax: `all`, `none`, `a,b`, `all,-a` (left to right, last mention wins).
 
 PASSES is the only place the default pipeline order is written: sharding first, then collective rewrites, then
-fusions, then dtype changes, then cache layout (design.md §4). It is empty until the optimization passes land; `all`
-then selects nothing and every command says so rather than pretending to optimise. Tests exercise the machinery with
-passes of their own through the `table` arguments.
+fusions, then dtype changes, then cache layout (design.md §4). Passes land one by one (see `qcompile passes`); while
+the table was empty, `all` selected nothing and every command said so. Tests also exercise the machinery with passes
+of their own through the `table` arguments.
 """
 
 from __future__ import annotations
 
 from qcompile.errors import UsageError
 from qcompile.passes.base import Pass
+from qcompile.passes.swiglu_fusion import SWIGLU_FUSION
 
-PASSES: dict[str, Pass] = {}
+PASSES: dict[str, Pass] = {p.name: p for p in (SWIGLU_FUSION,)}
 
 
 def parse_spec(spec: str, table: dict[str, Pass] | None = None) -> list[Pass]:

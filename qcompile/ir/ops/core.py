@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from qcompile.ir.cost import Cost, cost, nbytes
 from qcompile.ir.registry import expect, lowering, op, type_rule
 from qcompile.ir.types import TensorType, num_elements_key, np_dtype
+from qcompile.kernels.grouped_matmul import swiglu_halves
 from qcompile.kernels.linear import greedy_cpu, linear_cpu
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -107,6 +108,31 @@ def _linear(op_, x, w):
 def _linear_cpu(op_, x, w):
     """The native few-row kernel at decode, XLA's dot otherwise (kernels/linear.py)."""
     return linear_cpu(x, w)
+
+
+@op("linear_swiglu")
+@attrs.frozen
+class LinearSwiglu:
+    """linear_swiglu(x[...,K], w[2I,K]) -> [...,I] = silu(y[..., :I]) · y[..., I:] with y = linear(x, w): a SwiGLU
+    MLP's gate and up projections as one matmul over the fused [gate ; up] weight (the swiglu-fusion pass)."""
+
+
+@type_rule(LinearSwiglu)
+def _linear_swiglu_type(op_, x, w):
+    y = _linear_type(op_, x, w)
+    expect(isinstance(w.shape[0], int) and w.shape[0] % 2 == 0, f"linear_swiglu: {w} is not [gate ; up]")
+    return y.with_shape((*x.shape[:-1], w.shape[0] // 2))
+
+
+@lowering(LinearSwiglu)
+def _linear_swiglu(op_, x, w):
+    return swiglu_halves(_linear(op_, x, w))
+
+
+@lowering(LinearSwiglu, "cpu")
+def _linear_swiglu_cpu(op_, x, w):
+    """One weight sweep for gate and up (the native few-row kernel at decode), then the halves."""
+    return swiglu_halves(linear_cpu(x, w))
 
 
 @op("reshape")
@@ -332,6 +358,7 @@ def _embed_cost(op_, operands, results, step):
 
 
 @cost(Linear)
+@cost(LinearSwiglu)
 def _linear_cost(op_, operands, results, step):
     (_, x_shape), (w, w_shape) = operands
     rows = math.prod(x_shape[:-1])

@@ -14,7 +14,9 @@ import jax.numpy as jnp
 
 from qcompile.ir.cost import Cost, cost, nbytes
 from qcompile.ir.registry import expect, lowering, op, type_rule
-from qcompile.kernels.grouped_matmul import grouped_matmul_cpu, grouped_matmul_reference
+from qcompile.kernels.grouped_matmul import (grouped_matmul_cpu, grouped_matmul_reference, grouped_matmul_swiglu_cpu,
+                                             grouped_matmul_swiglu_reference)
+from qcompile.kernels.pallas_gmm import gmm_swiglu_tpu
 from qcompile.ir.types import TensorType, dim_mul
 
 
@@ -105,6 +107,39 @@ def _gmm(op_, rows, w, group_sizes):
     return grouped_matmul_reference(rows, w, group_sizes)
 
 
+@op("grouped_matmul_swiglu")
+@attrs.frozen
+class GroupedMatmulSwiglu:
+    """grouped_matmul_swiglu(rows[N,K], w[E,K,2I], group_sizes[E]) -> [N,I] = silu(y[:, :I]) · y[:, I:] with
+    y = grouped_matmul(rows, w, group_sizes): an expert MLP's gate and up projections as one matmul over the fused
+    [gate | up] weight, SwiGLU applied to its result (the swiglu-fusion pass; kernels fuse it into the epilogue)."""
+
+
+@type_rule(GroupedMatmulSwiglu)
+def _gmm_swiglu_type(op_, rows, w, group_sizes):
+    out = _gmm_type(op_, rows, w, group_sizes)
+    expect(isinstance(w.shape[2], int) and w.shape[2] % 2 == 0, f"grouped_matmul_swiglu: {w} is not [gate | up]")
+    return out.with_shape((rows.shape[0], w.shape[2] // 2))
+
+
+@lowering(GroupedMatmulSwiglu, "cpu")
+def _gmm_swiglu_cpu(op_, rows, w, group_sizes):
+    """The native kernel with the SwiGLU epilogue for f32, else the jnp rule over 2I columns (kernels/grouped_matmul.py)."""
+    return grouped_matmul_swiglu_cpu(rows, w, group_sizes)
+
+
+@lowering(GroupedMatmulSwiglu, "tpu")
+def _gmm_swiglu_tpu(op_, rows, w, group_sizes):
+    """The Pallas kernel, block-sparse over expert groups with the SwiGLU epilogue (kernels/pallas_gmm.py); compiled
+    on TPU, interpreted when this rule runs on another platform (checks on a CPU host)."""
+    return gmm_swiglu_tpu(rows, w, group_sizes)
+
+
+@lowering(GroupedMatmulSwiglu)
+def _gmm_swiglu(op_, rows, w, group_sizes):
+    return grouped_matmul_swiglu_reference(rows, w, group_sizes)
+
+
 @op("moe_combine")
 @attrs.frozen
 class MoeCombine:
@@ -126,6 +161,7 @@ def _combine(op_, rows, order, weights):
 
 
 @cost(GroupedMatmul)
+@cost(GroupedMatmulSwiglu)
 def _gmm_cost(op_, operands, results, step):
     """Each routed row is multiplied once; only the experts the batch chose are read."""
     (_, rows_shape), (w, w_shape), _ = operands

@@ -1,0 +1,178 @@
+"""Pallas TPU grouped matmul, block-sparse over expert groups, with the SwiGLU epilogue fused (tpu rule of
+grouped_matmul_swiglu).
+
+out[N, I] = silu(y[:, :I]) · y[:, I:] with y[r] = rows[r] · w[e(r)], w[E, K, 2I] = [gate | up], rows sorted by expert
+(group e owns the consecutive rows [start_e, start_e + g_e); rows past Σg come back 0) — the contract of
+kernels/grouped_matmul.py's `grouped_matmul_swiglu_reference`, which the tests compare it with.
+
+Block-sparse: rows are cut into tiles of `tm`; a *visit* is one (row tile, expert group) pair that overlaps, so a tile
+that straddles a group boundary is visited once per group and a tile inside one group once; tiles with no routed
+row get one visit that only zeroes them. Visits are computed on the device from group_sizes (`group_visits`, at most
+num_tiles + E of them, a static bound) and passed to the kernel as scalar-prefetch operands, which the block index
+maps read: the rows block of a visit is its tile, the weight blocks are its group's [tk, tn] slices of the gate
+half (column block j) and of the up half (column block j + I/tn). Only the experts the batch routed to are read,
+each once per tile it touches.
+
+Grid (I/tn, visits, K/tk), k innermost: two f32 accumulators [tm, tn] in VMEM (gate and up) sum over k; at the last
+k block the epilogue computes silu(gate) · up in the rows' dtype (as the unfused graph rounds each projection to
+it first) for the rows of the visit's group and adds it into the output tile, which stays resident across the
+consecutive visits of one tile (its first visit zeroes it). Nothing [N, 2I]-sized is written.
+
+Interpret switch: `interpret=True` runs the kernel through Pallas' interpreter on any backend (tests on CPU compare it
+with the reference); `gmm_swiglu_tpu` is the lowering rule: on TPU the compiled kernel (Mosaic), elsewhere the
+interpreter, chosen per platform at lowering time (`jax.lax.platform_dependent`), so a graph lowered for `tpu` on a CPU
+host exports the real kernel (a `tpu_custom_call`) while the same rule still runs — interpreted — in CPU checks.
+Block sizes: 128 (the MXU / lane width); a dimension smaller than its block, or not a multiple of it, is padded with
+zeros here (K: zero products; I: silu(0)·0 = 0, sliced off; N: rows in no group). Padding the weights per call costs
+a copy; weights whose I and K are multiples of 128 (every published Qwen3.5/Qwen3-Next MoE shape) need none.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+BLOCK = 128
+
+
+def group_visits(group_sizes, num_rows: int, tm: int):
+    """(tile, group, first, valid) per visit, each i32[num_tiles + E], and the groups' (start, end) row bounds.
+
+    Visits are ordered by tile, then group; a tile's first visit zeroes its output tile. Invalid visits (past the
+    real count) repeat the last tile and group with valid = 0 (no compute, no write: the output tile stays resident).
+    """
+    num_groups = group_sizes.shape[0]
+    num_tiles = -(-num_rows // tm)
+    sizes = jnp.clip(group_sizes.astype(jnp.int32), 0, None)
+    ends = jnp.minimum(jnp.cumsum(sizes), num_rows).astype(jnp.int32)
+    starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
+    total = ends[-1]
+    nonempty = ends > starts
+    # Non-empty groups in row order, padded with an empty slot at the end.
+    compact = jnp.argsort(~nonempty, stable=True).astype(jnp.int32)
+    compact_ends = jnp.where(nonempty[compact], ends[compact], jnp.iinfo(jnp.int32).max)
+    tile_lo = jnp.arange(num_tiles, dtype=jnp.int32) * tm
+    tile_hi = jnp.minimum(tile_lo + tm, total) - 1  # last routed row in the tile (if any)
+    has_rows = tile_lo < total
+    first_group = jnp.searchsorted(compact_ends, tile_lo, side="right").astype(jnp.int32)
+    last_group = jnp.searchsorted(compact_ends, tile_hi, side="right").astype(jnp.int32)
+    count = jnp.where(has_rows, last_group - first_group + 1, 1)
+    offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(count).astype(jnp.int32)])
+    num_visits = num_tiles + num_groups
+    v = jnp.arange(num_visits, dtype=jnp.int32)
+    valid = v < offsets[-1]
+    last = offsets[-1] - 1
+    vv = jnp.where(valid, v, last)
+    tile = jnp.clip(jnp.searchsorted(offsets, vv, side="right").astype(jnp.int32) - 1, 0, num_tiles - 1)
+    local = vv - offsets[tile]
+    slot = jnp.clip(first_group[tile] + local, 0, num_groups - 1)
+    group = jnp.where(has_rows[tile], compact[slot], 0)
+    first = (local == 0) & valid
+    return (tile, group, first.astype(jnp.int32), valid.astype(jnp.int32)), (starts, ends)
+
+
+def _kernel(tile_ref, group_ref, first_ref, valid_ref, start_ref, end_ref, x_ref, wg_ref, wu_ref, out_ref,
+            acc_gate, acc_up, *, tm: int, dtype):
+    v, kk = pl.program_id(1), pl.program_id(2)
+    last_k = kk == pl.num_programs(2) - 1
+    valid = valid_ref[v] == 1
+
+    @pl.when(kk == 0)
+    def _zero_accumulators():
+        acc_gate[...] = jnp.zeros_like(acc_gate)
+        acc_up[...] = jnp.zeros_like(acc_up)
+
+    @pl.when(valid & (kk == 0) & (first_ref[v] == 1))
+    def _zero_output_tile():
+        out_ref[...] = jnp.zeros_like(out_ref)
+
+    @pl.when(valid)
+    def _accumulate():
+        x = x_ref[...]
+        acc_gate[...] += jnp.dot(x, wg_ref[...], preferred_element_type=jnp.float32)
+        acc_up[...] += jnp.dot(x, wu_ref[...], preferred_element_type=jnp.float32)
+
+    @pl.when(valid & last_k)
+    def _epilogue():
+        group = group_ref[v]
+        row = tile_ref[v] * tm + jax.lax.broadcasted_iota(jnp.int32, acc_gate.shape, 0)
+        mine = (row >= start_ref[group]) & (row < end_ref[group])
+        gate, up = acc_gate[...].astype(dtype), acc_up[...].astype(dtype)
+        y = jax.nn.silu(gate) * up
+        out_ref[...] += jnp.where(mine, y, jnp.zeros_like(y)).astype(out_ref.dtype)
+
+
+def _pad_to(x, axis: int, multiple: int):
+    size = x.shape[axis]
+    pad = -size % multiple
+    if not pad:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, pad)
+    return jnp.pad(x, widths)
+
+
+def gmm_swiglu_pallas(rows, w, group_sizes, *, interpret=False, tm: int = BLOCK, tk: int = BLOCK,
+                      tn: int = BLOCK):
+    """grouped_matmul_swiglu by the Pallas kernel (see the module docstring); `interpret` is passed to pallas_call
+    (False: compile for TPU; True or pltpu.InterpretParams(): Pallas' interpreter, any backend)."""
+    n, k = rows.shape
+    half = w.shape[2] // 2
+    if n == 0 or half == 0:
+        return jnp.zeros((n, half), rows.dtype)
+    tm = min(tm, -(-n // 8) * 8)  # few rows (decode): one tile of a multiple of 8 rows, not 128
+    tk, tn = min(tk, max(k, 1)), min(tn, half)
+    x = _pad_to(_pad_to(rows, 0, tm), 1, tk)
+    fused = w
+    if k % tk or half % tn:
+        fused = jnp.concatenate([_pad_to(_pad_to(w[:, :, :half], 1, tk), 2, tn),
+                                 _pad_to(_pad_to(w[:, :, half:], 1, tk), 2, tn)], axis=2)
+    rows_p, k_p = x.shape
+    half_p = fused.shape[2] // 2
+    col_blocks = half_p // tn
+    (tile, group, first, valid), (starts, ends) = group_visits(group_sizes, n, tm)
+    grid = (col_blocks, tile.shape[0], k_p // tk)
+
+    def x_map(j, v, kk, tile, group, first, valid, starts, ends):
+        return tile[v], kk
+
+    def gate_map(j, v, kk, tile, group, first, valid, starts, ends):
+        return group[v], kk, j
+
+    def up_map(j, v, kk, tile, group, first, valid, starts, ends):
+        return group[v], kk, j + col_blocks
+
+    def out_map(j, v, kk, tile, group, first, valid, starts, ends):
+        return tile[v], j
+
+    call = pl.pallas_call(
+        functools.partial(_kernel, tm=tm, dtype=rows.dtype),
+        out_shape=jax.ShapeDtypeStruct((rows_p, half_p), rows.dtype),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=6,
+            grid=grid,
+            in_specs=[pl.BlockSpec((tm, tk), x_map),
+                      pl.BlockSpec((None, tk, tn), gate_map),
+                      pl.BlockSpec((None, tk, tn), up_map)],
+            out_specs=pl.BlockSpec((tm, tn), out_map),
+            scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32), pltpu.VMEM((tm, tn), jnp.float32)],
+        ),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary", "arbitrary")),
+        interpret=interpret,
+    )
+    out = call(tile, group, first, valid, starts, ends, x, fused, fused)
+    # Rows in no group: tiles entirely past the routed rows are zeroed by their single visit; rows past Σg inside a
+    # visited tile were masked out of every epilogue. Slice the padding off.
+    return out[:n, :half]
+
+
+def gmm_swiglu_tpu(rows, w, group_sizes):
+    """The tpu lowering rule: the compiled kernel on TPU, the interpreted one on any other platform."""
+    return jax.lax.platform_dependent(
+        rows, w, group_sizes,
+        tpu=functools.partial(gmm_swiglu_pallas, interpret=False),
+        default=functools.partial(gmm_swiglu_pallas, interpret=True))
