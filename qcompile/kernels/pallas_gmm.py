@@ -22,8 +22,10 @@ Interpret switch: `interpret=True` runs the kernel through Pallas' interpreter o
 with the reference); `gmm_swiglu_tpu` is the lowering rule: on TPU the compiled kernel (Mosaic), elsewhere the
 interpreter, chosen per platform at lowering time (`jax.lax.platform_dependent`), so a graph lowered for `tpu` on a CPU
 host exports the real kernel (a `tpu_custom_call`) while the same rule still runs — interpreted — in CPU checks.
-Block sizes: 128 (the MXU / lane width); a dimension smaller than its block, or not a multiple of it, is padded with
-zeros here (K: zero products; I: silu(0)·0 = 0, sliced off; N: rows in no group). Padding the weights per call costs
+Block sizes: 128 (the MXU / lane width), rows in tiles of min(128, N rounded up to 8); K below 128 is one whole
+block; otherwise K and I are padded with zeros to multiples of 128 (Mosaic wants a block's last dim to be a multiple
+of 128 or the whole dim; K: zero products; I: silu(0)·0 = 0, sliced off) and N to a multiple of the row tile (rows in
+no group). Padding the weights per call costs
 a copy; weights whose I and K are multiples of 128 (every published Qwen3.5/Qwen3-Next MoE shape) need none.
 """
 
@@ -125,7 +127,7 @@ def gmm_swiglu_pallas(rows, w, group_sizes, *, interpret=False, tm: int = BLOCK,
     if n == 0 or half == 0:
         return jnp.zeros((n, half), rows.dtype)
     tm = min(tm, -(-n // 8) * 8)  # few rows (decode): one tile of a multiple of 8 rows, not 128
-    tk, tn = min(tk, max(k, 1)), min(tn, half)
+    tk = min(tk, max(k, 1))  # a block's last dim: a multiple of 128, or the whole dim (Mosaic's tiling rule)
     x = _pad_to(_pad_to(rows, 0, tm), 1, tk)
     fused = w
     if k % tk or half % tn:
