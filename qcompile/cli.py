@@ -40,6 +40,7 @@ def cli():
     qcompile [compile] [--passes SPEC] [-o OUT] CHECKPOINT   build, optimize, check and export the step graph
     qcompile run CHECKPOINT|OUT --prompt-ids 1,2,3           greedy generation (checkpoint or artifact)
     qcompile bench CHECKPOINT|OUT [--compare transformers]    throughput, latency and % of roofline
+    qcompile check OUT|CHECKPOINT --prompts FILE             optimized vs unoptimized on your prompts
     qcompile passes                                          list the optimization passes
     qcompile reproduce DIR                                   re-run a numerics failure's reproducer
     qcompile init-tiny DIR --family qwen3_5_moe              write a random HF-format checkpoint
@@ -316,6 +317,29 @@ def bench_cmd(source, workload, scale, input_len, output_len, concurrency, num_p
                         ablate=ablate, json_path=json_path, plot_path=plot_path, seed=seed, dtype=dtype,
                         max_step_tokens=max_step_tokens, verify=verify)
     run_bench(opts, emit=click.echo)
+
+
+@cli.command("check", context_settings=CONTEXT)
+@click.argument("source", metavar="ARTIFACT|CHECKPOINT", type=click.Path(path_type=Path))
+@click.option("--prompts", "prompts_path", required=True, type=click.Path(path_type=Path), metavar="FILE",
+              help='JSON lines: {"prompt_ids": [...]} or {"prompt": "..."} (needs the checkpoint\'s tokenizer.json).')
+@click.option("--reference", type=click.Path(path_type=Path), metavar="CHECKPOINT",
+              help="The unoptimized model (required for an artifact; default: the checkpoint itself).")
+@click.option("--passes", "passes_spec", default="all", show_default=True, metavar="SPEC",
+              help="Passes of the candidate when SOURCE is a checkpoint.")
+@click.option("--max-new-tokens", default=32, show_default=True, help="Steps compared per prompt.")
+@click.option("--min-agreement", default=0.99, show_default=True,
+              help="Exit 3 when the overall top-1 agreement is below this.")
+@click.option("--json", "json_path", type=click.Path(path_type=Path), help="Write the per-prompt report as JSON.")
+def check_cmd(source, prompts_path, reference, passes_spec, max_new_tokens, min_agreement, json_path):
+    """Compare an optimized model with its unoptimized reference on your prompts: per prompt and overall top-1
+    agreement, KL(reference ‖ optimized) and the first step where greedy tokens diverge, teacher-forced over
+    --max-new-tokens decode steps."""
+    from qcompile.compiler.check import CheckOptions, run_check
+
+    run_check(CheckOptions(source=source, prompts=prompts_path, reference=reference, passes=passes_spec,
+                           max_new_tokens=max_new_tokens, min_agreement=min_agreement, json_path=json_path),
+              emit=click.echo)
 
 
 def main(argv: list[str] | None = None) -> None:

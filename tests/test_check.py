@@ -1,0 +1,90 @@
+"""`qcompile check`: the optimized model against its unoptimized reference on the user's prompts."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from qcompile.compiler.check import compare_steps
+from test_cli import cli
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    from conftest import write_small
+
+    root = tmp_path_factory.mktemp("check")
+    return (write_small(root / "a", family="qwen3_5_moe", seed=7),
+            write_small(root / "b", family="qwen3_5_moe", seed=8))
+
+
+@pytest.fixture
+def prompts(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"prompt_ids": [5, 6, 7, 8]}\n\n{"prompt_ids": [9, 10, 11]}\n{"prompt_ids": [12]}\n')
+    return path
+
+
+def test_compare_steps_measures_agreement_kl_and_the_first_divergence():
+    ref = [np.array([0.0, 3.0, 1.0]), np.array([2.0, 0.0, 1.0]), np.array([0.0, 0.0, 5.0])]
+    same = compare_steps(ref, ref)
+    assert same["top1_agreement"] == 1.0 and same["kl_max"] == pytest.approx(0.0, abs=1e-12)
+    assert same["first_divergence"] is None
+    other = compare_steps(ref, [ref[0], np.array([0.0, 2.0, 1.0]), ref[2]])
+    assert other["top1_agreement"] == pytest.approx(2 / 3) and other["first_divergence"] == 1
+    p = np.exp(ref[1]) / np.exp(ref[1]).sum()
+    q = np.exp([0.0, 2.0, 1.0]) / np.exp([0.0, 2.0, 1.0]).sum()
+    assert other["kl_max"] == pytest.approx(float(np.sum(p * np.log(p / q))), rel=1e-9)
+
+
+def test_checkpoint_with_all_passes_agrees_with_its_reference(ckpts, prompts, tmp_path, capsys):
+    out = tmp_path / "check.json"
+    code, text, err = cli(capsys, "check", ckpts[0], "--prompts", prompts, "--max-new-tokens", "6", "--json", out)
+    assert code == 0, err
+    report = json.loads(out.read_text())
+    assert report["ok"] and report["overall"]["steps"] == 18 and report["overall"]["top1_agreement"] == 1.0
+    assert report["overall"]["kl_max"] < 1e-8 and report["overall"]["prompts_diverged"] == 0
+    assert [p["prompt_tokens"] for p in report["prompts"]] == [4, 3, 1]
+    assert all(p["first_divergence"] is None for p in report["prompts"])
+    assert "overall: 18 steps, top-1 agreement 1.0000" in text
+
+
+def test_a_different_model_fails_with_exit_3(ckpts, prompts, capsys):
+    code, text, err = cli(capsys, "check", ckpts[0], "--reference", ckpts[1], "--prompts", prompts,
+                          "--max-new-tokens", "4")
+    assert code == 3 and "under --min-agreement 0.99" in err
+    assert "step 0" in text  # the first divergence is reported per prompt
+
+
+def test_an_artifact_against_its_checkpoint(ckpts, prompts, tmp_path, capsys):
+    art = tmp_path / "art"
+    code, _, err = cli(capsys, "--passes", "all", ckpts[0], "-o", art, "--max-seqs", "2", "--max-context", "32",
+                       "--max-step-tokens", "8", "--verify", "none")
+    assert code == 0, err
+    code, text, err = cli(capsys, "check", art, "--reference", ckpts[0], "--prompts", prompts,
+                          "--max-new-tokens", "5")
+    assert code == 0, err
+    assert "top-1 agreement 1.0000" in text and "passes swiglu-fusion" in text
+    code, _, err = cli(capsys, "check", art, "--prompts", prompts)
+    assert code == 2 and "needs --reference CHECKPOINT" in err
+    code, _, err = cli(capsys, "check", art, "--reference", ckpts[0], "--prompts", prompts, "--max-new-tokens", "40")
+    assert code == 2 and "needs a context of 44; the artifact holds 32" in err
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "file not found"),
+    ("", "no prompts"),
+    ('{"prompt_ids": [1, 2]}\nnot json\n', "prompts.jsonl:2: not JSON"),
+    ('{"ids": [1]}\n', "expected an object with prompt_ids or prompt"),
+    ('{"prompt_ids": []}\n', "non-empty list of integers"),
+    ('{"prompt_ids": [1, 99999]}\n', "token id 99999 is outside the vocabulary"),
+    ('{"prompt": "hello"}\n', "needs the checkpoint's tokenizer.json"),
+])
+def test_bad_prompts_are_one_line_exit_2(ckpts, tmp_path, capsys, content, message):
+    path = tmp_path / "prompts.jsonl"
+    if content is not None:
+        path.write_text(content)
+    code, _, err = cli(capsys, "check", ckpts[0], "--prompts", path)
+    assert code == 2 and message in err and "Traceback" not in err
