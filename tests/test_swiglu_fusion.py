@@ -300,3 +300,61 @@ def test_tpu_export_of_passes_all_holds_one_pallas_kernel_per_moe_layer(tmp_path
     for bucket in manifest["buckets"]:
         program = export.deserialize(bytearray((out / bucket["file"]).read_bytes())).mlir_module()
         assert program.count("@tpu_custom_call") == moe_layers > 0, bucket["file"]
+
+
+def test_gate_and_up_of_different_widths_are_not_fused():
+    """mul(silu(x·Wg), x·Wu) with Wu one row wide broadcasts: not a SwiGLU MLP (the rule's `when`)."""
+    from qcompile.ir.builder import Builder
+    from qcompile.ir.ops.core import Mul
+    from qcompile.ir.types import TensorType
+
+    b = Builder()
+    x = b.input("x", TensorType("f32", ("N", 8)))
+    gate = b.add(Linear(), x, b.param("g", TensorType("f32", (6, 8))))
+    up = b.add(Linear(), x, b.param("u", TensorType("f32", (1, 8))))
+    b.output("h", b.add(Mul(), b.add(Activation("silu"), gate), up))
+    graph = b.build({"name": "mlp"})
+    result = SWIGLU_FUSION.run(graph, PassContext())
+    assert not result.changed and result.graph is graph
+
+
+def test_patterns_capture_consistently_commute_and_respect_other_users():
+    """apply_rules: a repeated capture name must bind one value; an inner node with a user outside the pattern blocks
+    the match; rules run to a fixpoint (a rule whose output matches again is applied again)."""
+    from qcompile.ir.builder import Builder
+    from qcompile.ir.ops.core import Add, Mul
+    from qcompile.ir.types import TensorType
+    from qcompile.passes.rewrite import Pattern, RewriteRule, apply_rules
+
+    t = TensorType("f32", ("N", 4))
+    square = RewriteRule("x+x", "test only: add(x, x) → mul(x, x) (captures must agree)",
+                         Pattern(Add, ("x", "x")), lambda b, c: b.add(Mul(), c["x"], c["x"]))
+    b = Builder()
+    x, y = b.input("x", t), b.input("y", t)
+    b.output("same", b.add(Add(), x, x))
+    b.output("different", b.add(Add(), x, y))
+    graph = b.build({})
+    new, fired = apply_rules(graph, [square])
+    assert fired == {"x+x": 1} and len(new.find(Mul)) == 1 and len(new.find(Add)) == 1
+
+    right = RewriteRule("reassociate", "(a + b) + c = a + (b + c)",
+                        Pattern(Add, (Pattern(Add, ("a", "b")), "c")),
+                        lambda b, c: b.add(Add(), c["a"], b.add(Add(), c["b"], c["c"])))
+    b = Builder()
+    x, y, z, w = (b.input(n, t) for n in "xyzw")
+    b.output("chain", b.add(Add(), b.add(Add(), b.add(Add(), x, y), z), w))  # ((x + y) + z) + w
+    graph = b.build({})
+    new, fired = apply_rules(graph, [right])
+    adds = new.find(Add)
+    assert fired["reassociate"] >= 2 and len(adds) == 3  # needed a second round: a fixpoint, not one sweep
+    assert not any(isinstance(new.node(n.operands[0].node).op, Add) for n in adds)  # x + (y + (z + w))
+    nested = RewriteRule("mul-under-add", "(a·b) + c = c + (a·b)",
+                         Pattern(Add, (Pattern(Mul, ("a", "b")), "c"), commutative=True),
+                         lambda b, c: b.add(Add(), c["c"], b.add(Mul(), c["a"], c["b"])))
+    b = Builder()
+    x, y, z = b.input("x", t), b.input("y", t), b.input("z", t)
+    m = b.add(Mul(), x, y)
+    b.output("sum", b.add(Add(), m, z))
+    b.output("product", m)                       # the mul has another user: no match
+    graph = b.build({})
+    assert apply_rules(graph, [nested])[0] is graph
