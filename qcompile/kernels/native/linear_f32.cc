@@ -9,10 +9,11 @@
 // docs/cpu_rules.md). With the weight in [N, K] each output is a dot product of two contiguous rows, so this kernel
 // needs no packing:
 //   * a register tile is kMr input rows x kNr weight rows; its kMr*kNr accumulators are 16-lane vectors over k
-//     (kNr + 1 loads feed kMr*kNr multiply-adds per 16 k), reduced to scalars once at the end of k;
+//     (kNr + kMr loads feed kMr*kNr multiply-adds per 16 k), reduced to scalars once at the end of k;
 //   * a work item is a block of kNb weight rows (kept in L1/L2 while every row tile of the item's row chunk reads it)
 //     against a chunk of up to kRowChunk input rows, run on the caller and XLA's intra-op threads (parallel_items.h).
-// Vectors are GCC vector extensions (16 floats); -march=native maps them to AVX-512, AVX2 or SSE.
+// Vectors are GCC vector extensions (16 floats; GCC >= 12 or clang for __builtin_shufflevector); -march=native maps
+// them to AVX-512, AVX2, SSE or NEON.
 
 #include <algorithm>
 #include <cstdint>
@@ -58,7 +59,9 @@ void tile(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t k, f
     for (int n = 0; n < NR; ++n) b[n] = load(w + n * ldw + kk);
     for (int m = 0; m < MR; ++m) {
       v16 a = load(x + m * ldx + kk);
+#if defined(__x86_64__)
       asm("" : "+v"(a));  // one load per input vector: GCC would otherwise fold it into each of the NR multiply-adds
+#endif
       for (int n = 0; n < NR; ++n) acc[m][n] += a * b[n];
     }
   }
