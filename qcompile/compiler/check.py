@@ -163,7 +163,7 @@ def run_check(opts: CheckOptions, emit=print) -> dict:
             raise UsageError(f"a prompt of {context - opts.max_new_tokens} tokens plus {opts.max_new_tokens} new "
                              f"ones needs a context of {context}; the artifact holds {cache.max_context} "
                              "(lower --max-new-tokens, or compile with a larger --max-context)")
-        make_candidate = artifact.engine
+        make_candidate = lambda reference: artifact.engine()  # noqa: E731
     else:
         ref_dir = Path(opts.reference or opts.source)
         ckpt = Checkpoint.open(opts.source)
@@ -171,12 +171,15 @@ def run_check(opts: CheckOptions, emit=print) -> dict:
         prompts = read_prompts(Path(opts.prompts), Path(opts.source), vocab)
         cache = CacheConfig(max_seqs=min(8, len(prompts)), max_context=max(len(p) for p in prompts)
                             + opts.max_new_tokens, max_step_tokens=512)
-        log(f"compiling {opts.source} with --passes {opts.passes}")
-        graph, params = _compile_in_process(ckpt, opts.passes)
         candidate_label = f"{opts.source} (passes {opts.passes})"
-        from qcompile.runtime.engine import Engine
 
-        make_candidate = lambda: Engine(graph, params, cache)  # noqa: E731
+        def make_candidate(reference):
+            from qcompile.runtime.engine import Engine
+
+            log(f"compiling {opts.source} with --passes {opts.passes}")
+            same = ref_dir.resolve() == Path(opts.source).resolve()  # then its weights are read once, not twice
+            graph, params = _compile_in_process(ckpt, opts.passes, reference.params if same else None)
+            return Engine(graph, params, cache)
     log(f"loading the reference {ref_dir}")
     reference = load_model(ref_dir, dtype, page_size=page_size, progress=False)
     if reference.checkpoint.config.vocab_size != vocab:
@@ -184,7 +187,7 @@ def run_check(opts: CheckOptions, emit=print) -> dict:
                          f"candidate {vocab}: not the same model")
     ref_engine = reference.engine(CacheConfig(max_seqs=cache.max_seqs, max_context=cache.max_context,
                                               max_step_tokens=cache.max_step_tokens))
-    cand_engine = make_candidate()
+    cand_engine = make_candidate(reference)
     per_prompt = []
     for start, batch in _batches(prompts, cache.max_seqs):
         log(f"prompts {start + 1}-{start + len(batch)} of {len(prompts)}: {opts.max_new_tokens} steps each")
@@ -217,8 +220,9 @@ def run_check(opts: CheckOptions, emit=print) -> dict:
     return report
 
 
-def _compile_in_process(ckpt, spec: str):
-    """The checkpoint's graph through the selected passes (structurally verified), folded, with its parameters."""
+def _compile_in_process(ckpt, spec: str, loaded: dict | None):
+    """The checkpoint's graph through the selected passes (structurally verified), folded, with its parameters
+    (arrays already in `loaded` — the reference's, from the same checkpoint — are reused, not read again)."""
     from qcompile.ir.importer import build_graph
     from qcompile.ir.weights import fold_weight_preparation, load_params
     from qcompile.passes.base import PassContext
@@ -228,4 +232,4 @@ def _compile_in_process(ckpt, spec: str):
     graph = build_graph(ckpt)
     result = run_pipeline(graph, parse_spec(spec), PassContext(), verify_mode="none")
     folded = fold_weight_preparation(result.graph)
-    return folded, load_params(ckpt, folded, progress=False)
+    return folded, load_params(ckpt, folded, progress=False, loaded=loaded)

@@ -20,10 +20,6 @@ class Builder:
     def type_of(self, value: Value) -> TensorType:
         return self._dag.nodes[value.node]["node"].types[value.index]
 
-    def producer(self, value: Value) -> Node:
-        """The node that computes `value` (rewrite rules match patterns through it)."""
-        return self._dag.nodes[value.node]["node"]
-
     def add(self, op, *operands: Value):
         """Append `op` applied to `operands`; returns its Value, or a tuple of Values for multi-result ops."""
         try:

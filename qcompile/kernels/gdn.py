@@ -168,7 +168,7 @@ def gdn_recurrence_cpu(q, k, v, g, beta, state, query_start, state_slots, chunk:
 
     Where the native kernel is available (f32 is all this function sees) it serves every batch but the chunked form:
     decode, prefill and mixed alike, each state read and written once per token in place (docs/cpu_rules.md,
-    "gdn_recurrence": 1.5× the jnp rule at decode, 4.6-5× at prefill). Without it, a runtime lax.cond on the sequence lengths: when every sequence has ≤ 1 token (decode) all slots are updated at
+    "gdn_recurrence": 1.3× the jnp rule at decode B=32, 2.4-5× at prefill and mixed). Without it, a runtime lax.cond on the sequence lengths: when every sequence has ≤ 1 token (decode) all slots are updated at
     once in one vectorised step (_gdn_one_step, dense over the S state slots; used when S ≤ T and, in T ≤ B buckets,
     the states fit in dense_state_bytes; otherwise the scan below serves decode too). Otherwise a static choice:
     the token-by-token scan, or the chunked form when T > B and T ≥ chunked_min_tokens. On CPU the scan was faster
