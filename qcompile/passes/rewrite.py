@@ -145,8 +145,8 @@ def apply_rules(graph: Graph, rules: list[RewriteRule], max_rounds: int = 8) -> 
                 for rule in rules:
                     captures = match(graph, node.results[0], rule.pattern, uses)
                     if captures is not None and (rule.when is None or rule.when(graph, captures)):
-                        new = rule.build(builder, {k: mapping[v] for k, v in captures.items()
-                                                   if v in mapping})
+                        # captures translated to the new graph (the root's own capture, if any, is what is replaced)
+                        new = rule.build(builder, {k: mapping[v] for k, v in captures.items() if v in mapping})
                         fired[rule.name] += 1
                         replaced += 1
                         break
