@@ -15,6 +15,7 @@ from qcompile.errors import NumericsError
 from qcompile.frontend.checkpoint import Checkpoint
 from qcompile.ir.importer import build_graph
 from qcompile.ir.ops.core import Activation, Concat, Linear, LinearSwiglu
+from qcompile.ir.ops.gdn import GdnRecurrence
 from qcompile.ir.ops.moe import GroupedMatmul, GroupedMatmulSwiglu
 from qcompile.ir.verifier import verify
 from qcompile.ir.weights import fold_weight_preparation, load_params
@@ -282,9 +283,10 @@ def test_not_transformed_when_gate_and_up_differ_or_gate_has_another_user(routed
         assert not result.changed and result.graph is graph and "no SwiGLU MLP" in result.skipped
 
 
-def test_tpu_export_of_passes_all_holds_one_pallas_kernel_per_moe_layer(tmp_path, capsys):
-    """`--passes all --target tpu`: every exported bucket calls the compiled Pallas kernel (a Mosaic
-    tpu_custom_call) once per MoE layer — counted in the serialized programs."""
+def test_tpu_export_of_passes_all_holds_one_pallas_kernel_per_moe_and_gdn_layer(tmp_path, capsys):
+    """`--passes all --target tpu`: every exported bucket calls the compiled Pallas kernels (Mosaic tpu_custom_calls)
+    once per MoE layer (grouped matmul + SwiGLU) and once per GDN layer (the fused delta rule) — counted in the
+    serialized programs."""
     from jax import export
 
     from conftest import write_small
@@ -296,10 +298,13 @@ def test_tpu_export_of_passes_all_holds_one_pallas_kernel_per_moe_layer(tmp_path
                        "--max-context", "32", "--max-step-tokens", "8")
     assert code == 0, err
     manifest = json.loads((out / "manifest.json").read_text())
-    moe_layers = len(build_graph(Checkpoint.open(path)).find(GroupedMatmul)) // 3
+    graph = build_graph(Checkpoint.open(path))
+    moe_layers = len(graph.find(GroupedMatmul)) // 3
+    gdn_layers = len(graph.find(GdnRecurrence))
+    assert moe_layers > 0 and gdn_layers > 0
     for bucket in manifest["buckets"]:
         program = export.deserialize(bytearray((out / bucket["file"]).read_bytes())).mlir_module()
-        assert program.count("@tpu_custom_call") == moe_layers > 0, bucket["file"]
+        assert program.count("@tpu_custom_call") == moe_layers + gdn_layers, bucket["file"]
 
 
 def test_gate_and_up_of_different_widths_are_not_fused():

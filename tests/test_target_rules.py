@@ -14,7 +14,7 @@ import pytest
 import qcompile.ir.importer  # noqa: F401  (registers the op catalogue)
 from qcompile.ir.ops.attention import PagedAttention
 from qcompile.ir.ops.core import Greedy, Linear, LinearSwiglu
-from qcompile.ir.ops.gdn import CausalConv1d, GdnRecurrence
+from qcompile.ir.ops.gdn import CausalConv1d, GatedDeltaNet, GdnRecurrence
 from qcompile.ir.ops.moe import GroupedMatmul, GroupedMatmulSwiglu
 from qcompile.ir.registry import lowering_rule, target_rules
 
@@ -80,6 +80,23 @@ def _gdn_case(rng, batch, dtype):
     return GdnRecurrence(), (q, k, v, g, beta, state, _ragged(new, num_tokens, max_seqs), slots)
 
 
+def _gdn_fused_case(rng, batch, dtype):
+    """The fused GDN core: Hk 2, Hv 4 (ratio 2), dk 8, dv 12, K 4; conv state in the activations' dtype, f32 state."""
+    new, cached, num_tokens, max_seqs = BATCHES[batch]
+    hk, hv, dk, dv, width = 2, 4, 8, 12, 4
+    channels = 2 * hk * dk + hv * dv
+    x = rng.standard_normal((num_tokens, channels)).astype(dtype)
+    a, b = (rng.standard_normal((num_tokens, hv)).astype(dtype) for _ in range(2))
+    conv_state = rng.standard_normal((max_seqs, channels, width - 1)).astype(dtype)
+    conv_w = (0.5 * rng.standard_normal((channels, width))).astype(dtype)
+    a_log, dt_bias = (rng.standard_normal(hv).astype(np.float32) for _ in range(2))
+    state = (0.3 * rng.standard_normal((max_seqs, hv, dk, dv))).astype(np.float32)
+    slots = np.array(rng.permutation(max_seqs), np.int32)
+    slots[len(new):] = max_seqs
+    return GatedDeltaNet(), (x, a, b, conv_state, conv_w, a_log, dt_bias, state, _ragged(new, num_tokens, max_seqs),
+                             slots)
+
+
 def _linear_case(rng, batch, dtype):
     rows = sum(BATCHES[batch][0])
     return Linear(), (rng.standard_normal((rows, 48)).astype(dtype), rng.standard_normal((40, 48)).astype(dtype))
@@ -118,7 +135,8 @@ def _linear_swiglu_case(rng, batch, dtype):
 
 CASES = {"paged_attention": _attention_case, "causal_conv1d": _conv_case, "gdn_recurrence": _gdn_case,
          "linear": _linear_case, "grouped_matmul": _gmm_case, "greedy": _greedy_case,
-         "grouped_matmul_swiglu": _gmm_swiglu_case, "linear_swiglu": _linear_swiglu_case}
+         "grouped_matmul_swiglu": _gmm_swiglu_case, "linear_swiglu": _linear_swiglu_case,
+         "gated_delta_net": _gdn_fused_case}
 
 
 def test_every_target_rule_has_cases():
@@ -130,10 +148,12 @@ def _valid_rows(op, operands, ref):
     """Rows the contract defines: padding token slots (and padded grouped-matmul rows) may differ."""
     if isinstance(op, (GroupedMatmul, GroupedMatmulSwiglu)):
         return slice(0, int(np.sum(operands[2])))
-    if isinstance(op, (PagedAttention, CausalConv1d, GdnRecurrence)):
+    if isinstance(op, (PagedAttention, CausalConv1d, GdnRecurrence, GatedDeltaNet)):
         query_start = operands[4] if not isinstance(op, CausalConv1d) else operands[3]
         if isinstance(op, GdnRecurrence):
             query_start = operands[6]
+        if isinstance(op, GatedDeltaNet):
+            query_start = operands[8]
         return slice(0, int(query_start[-1]))
     return slice(None)
 

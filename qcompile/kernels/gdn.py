@@ -31,6 +31,20 @@ def _mm(spec, *args):
     return jnp.einsum(spec, *args, precision=HIGHEST)
 
 
+def l2_normalize(x, eps: float = 1e-6):
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+def normalized_heads(q, k, v):
+    """The recurrence's inputs from the conv's: q, k [T,Hk,dk] L2-normalised over dk (q also scaled by dk^-0.5) and
+    repeated to the value heads (value head j reads key head j // (Hv/Hk)); all three in f32."""
+    ratio = v.shape[1] // q.shape[1]
+    dk = q.shape[2]
+    qf = jnp.repeat(l2_normalize(q.astype(jnp.float32)) * dk**-0.5, ratio, axis=1)
+    kf = jnp.repeat(l2_normalize(k.astype(jnp.float32)), ratio, axis=1)
+    return qf, kf, v.astype(jnp.float32)
+
+
 def gdn_recurrent_reference(q, k, v, g, beta, state, query_start, state_slots):
     """q,k [T,H,dk], v [T,H,dv], g,beta [T,H] (f32), state [S,H,dk,dv] f32 -> (o [T,H,dv] f32, new state)."""
     num_tokens = q.shape[0]

@@ -7,7 +7,9 @@ the reason it was skipped. It never mutates its input; the manager audits that.
 Tolerance classes (design.md §5), relative to the largest magnitude of the reference output:
   exact          bitwise equal (pure relayout, operand reordering)
   reassociating  f32: 1e-5, bf16: 1e-2 (fusions that change summation order)
-  lossy          a bound declared by the pass itself, plus a drift check over decode steps
+  lossy          a bound declared by the pass itself, plus a drift check over decode steps: the logits' error
+                 stays within the bound and the greedy tokens agree with the reference's at least `min_agreement`
+                 of the steps
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ class Pass:
     in_all: bool = True  # selected by `all`
     lossy_bound: float | None = None  # relative bound, lossy passes only
     drift_steps: int = 0  # decode steps of the drift check, lossy passes only
+    min_agreement: float | None = None  # lossy passes: least top-1 agreement with the reference over the drift decode
 
     def __attrs_post_init__(self):
         if self.tolerance == "lossy" and self.lossy_bound is None:

@@ -7,8 +7,11 @@ continuation and a fresh prefill, over caches made non-empty by a warm-up step o
 the logits and every updated cache (KV pages, conv state, recurrent state) — is compared. The error of an output is
 max |candidate − reference| / max |reference|. A check fails when that exceeds the bound, when the candidate has a
 NaN or inf where the reference has none, when an output changed shape or dtype, or when a reference output is all
-zeros (such a check could not fail, so it proves nothing). Lossy passes add a drift check: greedy decode steps,
-teacher-forced with the reference's tokens, each compared.
+zeros (such a check could not fail, so it proves nothing). An output whose dtype changed (a cache the bf16-state pass
+demoted) is compared up-cast, and each graph is given the check's caches in its own cache dtypes; a changed shape
+fails. Lossy passes add a drift check: greedy decode steps, teacher-forced with the reference's tokens, comparing
+each step's logits and greedy token (`Drift`: the largest logit error, the top-1 agreement, the first step where
+the greedy tokens differ).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from qcompile.ir.abi import CacheConfig, WorkItem, empty_caches, graph_cache_typ
 from qcompile.ir.graph import Graph
 from qcompile.ir.lowering import lower
 from qcompile.ir.printer import print_graph
+from qcompile.ir.types import dtype_name, np_dtype
 
 CHECK_PROMPTS = (5, 9)  # warm-up prefills that fill the caches (same 16-token bucket as the check: one compile)
 CHECK_WORK = (1, 5, 9)  # then: a decode token, a 5-token continuation, a fresh 9-token prefill
@@ -78,22 +82,40 @@ class CheckResult:
     bound: float
     errors: dict  # output name -> relative error
     reason: str = ""  # why it failed
-    drift: float | None = None  # lossy passes: max relative error over the drift decode
+    drift: float | None = None  # lossy passes: median relative logit error over the drift decode steps
+    drift_max: float | None = None  # lossy passes: the largest step's
+    agreement: float | None = None  # lossy passes: fraction of drift steps whose greedy tokens agree
+    first_divergence: int | None = None  # lossy passes: first drift step whose greedy tokens differ (None: none)
+    drift_steps: int | None = None
+    retyped: dict = attrs.field(factory=dict)  # output name -> "f32 -> bf16" for outputs compared across dtypes
 
     def to_json(self) -> dict:
         return attrs.asdict(self)
 
 
+@attrs.frozen
+class Drift:
+    """A teacher-forced greedy decode compared step by step (step 0 is the prompt's last position)."""
+
+    steps: int
+    max_error: float  # largest relative logit error over the steps
+    median_error: float  # the median step's: accumulated drift, not one step where an MoE router's near-tie flipped
+    agreement: float  # fraction of steps whose greedy (argmax) tokens agree
+    first_divergence: int | None  # first step whose greedy tokens differ
+
+
 def compare(reference: dict, candidate: dict, bound: float) -> CheckResult:
-    errors, reasons = {}, []
+    errors, reasons, retyped = {}, [], {}
     for name, ref in reference.items():
         got = candidate.get(name)
         if got is None:
             reasons.append(f"output {name} is missing")
             continue
-        if got.shape != ref.shape or got.dtype != ref.dtype:
+        if got.shape != ref.shape:
             reasons.append(f"output {name} changed from {ref.dtype}{list(ref.shape)} to {got.dtype}{list(got.shape)}")
             continue
+        if got.dtype != ref.dtype:
+            retyped[name] = f"{dtype_name(ref.dtype)} -> {dtype_name(got.dtype)}"
         ref64, got64 = ref.astype(np.float64), got.astype(np.float64)
         bad = ~np.isfinite(got64) & np.isfinite(ref64)
         if bad.any():
@@ -109,7 +131,7 @@ def compare(reference: dict, candidate: dict, bound: float) -> CheckResult:
         if errors[name] > bound:
             reasons.append(f"output {name}: relative error {errors[name]:.3g} > bound {bound:.3g}")
     max_error = max(errors.values(), default=0.0)
-    return CheckResult(not reasons, max_error, bound, errors, "; ".join(reasons))
+    return CheckResult(not reasons, max_error, bound, errors, "; ".join(reasons), retyped=retyped)
 
 
 class EquivalenceChecker:
@@ -143,7 +165,7 @@ class EquivalenceChecker:
         target = self.target if target is None else target
         key = (structural_hash(graph), target)
         if key not in self._outputs:
-            self._outputs[key] = run_graph(graph, self.params, self.caches, self.batch, target)
+            self._outputs[key] = run_graph(graph, self.params, in_cache_dtypes(graph, self.caches), self.batch, target)
         return self._outputs[key]
 
     def check(self, candidate: Graph, bound: float, against: Graph | None = None) -> CheckResult:
@@ -152,8 +174,9 @@ class EquivalenceChecker:
         base = self.reference_outputs if against is None else self.outputs(against)
         return compare(base, self.outputs(candidate), bound)
 
-    def drift(self, candidate: Graph, steps: int, against: Graph | None = None) -> float:
-        """Max relative logit error over `steps` greedy decode steps, teacher-forced with the reference's tokens."""
+    def drift(self, candidate: Graph, steps: int, against: Graph | None = None) -> Drift:
+        """`steps` greedy decode steps after an 8-token prompt, both graphs teacher-forced with the reference's tokens:
+        the largest relative logit error, the top-1 agreement and the first step where the greedy tokens differ."""
         base = against or self.reference
         rng = np.random.default_rng(self.seed + 1)
         prompt = rng.integers(3, int(base.meta["vocab_size"]), 8).tolist()
@@ -165,7 +188,7 @@ class EquivalenceChecker:
             seqs.add()
             caches = empty_caches(graph_cache_types(graph), cache.sizes(page_size))
             runs.append([graph, target, seqs, caches])
-        worst, token = 0.0, None
+        errors, token, agree, first = [], None, 0, None
         for step in range(steps + 1):
             tokens = prompt if step == 0 else [token]
             logits = []
@@ -175,6 +198,18 @@ class EquivalenceChecker:
                 out = run_graph(graph, self.params, caches, batch, target)
                 run[3] = {k: out[k] for k in caches}
                 logits.append(out["logits"][0])
-            worst = max(worst, float(np.abs(logits[1] - logits[0]).max() / max(np.abs(logits[0]).max(), 1e-30)))
-            token = int(np.argmax(logits[0]))
-        return worst
+            ref, got = (np.asarray(x, np.float64) for x in logits)
+            errors.append(float(np.abs(got - ref).max() / max(np.abs(ref).max(), 1e-30)))
+            token = int(np.argmax(ref))
+            if int(np.argmax(got)) == token:
+                agree += 1
+            elif first is None:
+                first = step
+        return Drift(steps + 1, max(errors), float(np.median(errors)), agree / (steps + 1), first)
+
+
+def in_cache_dtypes(graph: Graph, caches: dict) -> dict:
+    """The check's caches as `graph` declares them (a bf16 state cache gets the f32 values rounded to bf16)."""
+    types = graph_cache_types(graph)
+    return {name: value.astype(np_dtype(types[name].dtype)) if name in types else value
+            for name, value in caches.items()}

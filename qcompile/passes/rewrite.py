@@ -1,9 +1,10 @@
 """Graph rewriting helpers for passes: rebuild a graph node by node with replacements, then drop dead nodes.
 
 Two levels: `rewrite(graph, rule)` asks a function about every node (below); `apply_rules(graph, rules)` takes
-replacement rules written as data — a `Pattern` of producers rooted at a node (with captures, commutative operands
-and a single-use check on everything fused away) and a builder of the replacement, each with the one-line algebra
-that makes it correct — and applies them to a fixpoint.
+replacement rules written as data — a `Pattern`, a small DAG of producers rooted at a node (with captures,
+multi-result producers, commutative operands, and a check that nothing outside the match uses what is fused away)
+and a builder of the replacement, each with the one-line algebra that makes it correct — and applies them to a
+fixpoint; `apply_rules_pass` makes such rules a pass.
 
 `rewrite(graph, rule)` walks the graph in topological order and asks `rule(builder, node, operands)` for each op
 node; the rule returns the Values that replace the node's results (built with `builder`), or None to keep the node
@@ -20,6 +21,7 @@ import networkx as nx
 from qcompile.ir.builder import Builder
 from qcompile.ir.graph import Graph, Node, Value
 from qcompile.ir.ops.core import Input, Param
+from qcompile.passes.base import PassResult
 
 Rule = Callable[[Builder, Node, list[Value]], "tuple[Value, ...] | Value | None"]
 
@@ -72,84 +74,146 @@ def eliminate_dead_nodes(graph: Graph) -> Graph:
 
 @attrs.frozen
 class Pattern:
-    """A small tree of producers to match at a value: `op` (a class or tuple of classes; `where(op)` narrows it),
+    """A small DAG of producers to match at a value: `op` (a class or tuple of classes; `where(op)` narrows it),
     its operands as sub-patterns, capture names (str: binds the operand value; the same name twice must bind the
-    same value) or None (anything). `capture` names the matched node's result. `commutative` also tries the two
-    operands swapped. Inner nodes of a match must have no user outside it (nothing else needs what is fused away)."""
+    same value) or None (anything). `capture` names the matched value; `results` names the node's results by
+    position (so a producer reached along several paths — one conv feeding three slices — is one node, and a result
+    no operand leads to, like its new state, can be captured and replaced). `index` is the result of the producer
+    that the operand must be. `commutative` also tries the two operands swapped. Every user of an inner node's
+    results must lie inside the match, unless the rule replaces that result (nothing else needs what is fused away)."""
 
     op: object
     operands: tuple = ()
     where: Callable | None = None
     capture: str | None = None
     commutative: bool = False
+    results: tuple = ()
+    index: int = 0
+
+
+class Captures(dict):
+    """{capture name: Value} as a rule's builder sees them (values of the graph being built), plus `ops`: the op of
+    the original node that produced each captured value (to copy attributes from)."""
+
+    def __init__(self, values: dict, ops: dict):
+        super().__init__(values)
+        self.ops = ops
 
 
 @attrs.frozen
 class RewriteRule:
     """A replacement as data: `pattern` rooted at a node, `build(builder, captures)` returning the replacement of the
-    root's (single) result, and `algebra`, the one-line identity that makes it correct."""
+    root's results (a Value or a tuple), or a dict {capture name: new Value} naming the root's results (through
+    `Pattern.results`) and each captured value in `replaces`; and `algebra`, the one-line identity that makes it
+    correct."""
 
     name: str
     algebra: str
     pattern: Pattern
     build: Callable
     when: Callable | None = None  # when(graph, captures of original values) -> bool: conditions beyond the shape
+    replaces: tuple[str, ...] = ()  # captured results of inner nodes that the replacement also provides
 
 
-def _uses(graph: Graph) -> dict[Value, int]:
-    counts: dict[Value, int] = {value: 1 for value in graph.outputs.values()}
+@attrs.frozen
+class Match:
+    captures: dict  # name -> original Value
+    nodes: frozenset  # ids of every matched node, root included
+
+
+def _users(graph: Graph) -> dict[Value, set]:
+    """Value -> ids of the nodes using it ("output" for a graph output)."""
+    users: dict[Value, set] = {value: {"output"} for value in graph.outputs.values()}
     for node in graph.nodes():
         for operand in node.operands:
-            counts[operand] = counts.get(operand, 0) + 1
-    return counts
+            users.setdefault(operand, set()).add(node.id)
+    return users
 
 
-def match(graph: Graph, value: Value, pattern: Pattern, uses: dict[Value, int], root: bool = True) -> dict | None:
-    """Captures {name: original Value} when `pattern` matches the producers of `value`, else None."""
+def _match_tree(graph: Graph, value: Value, pattern: Pattern, root: bool) -> tuple[dict, set] | None:
     node = graph.node(value.node)
     if not isinstance(node.op, pattern.op) or (pattern.where is not None and not pattern.where(node.op)):
         return None
-    if not root and uses.get(value, 0) != 1:
+    if not root and value.index != pattern.index:
         return None
     orders = [pattern.operands]
     if pattern.commutative and len(pattern.operands) == 2:
         orders.append(pattern.operands[::-1])
+    own = {name: Value(node.id, i) for i, name in enumerate(pattern.results) if name}
+    if pattern.capture:
+        own[pattern.capture] = value
     for operands in orders:
         if len(operands) != len(node.operands):
             continue
-        captures: dict | None = {pattern.capture: value} if pattern.capture else {}
+        captures: dict | None = dict(own)
+        nodes = {node.id}
         for sub, operand in zip(operands, node.operands):
-            found = {sub: operand} if isinstance(sub, str) else {} if sub is None else match(graph, operand, sub, uses,
-                                                                                            root=False)
-            if found is None or any(captures.get(k, v) != v for k, v in found.items()):
+            if isinstance(sub, str):
+                found, found_nodes = {sub: operand}, set()
+            elif sub is None:
+                found, found_nodes = {}, set()
+            else:
+                got = _match_tree(graph, operand, sub, root=False)
+                if got is None:
+                    captures = None
+                    break
+                found, found_nodes = got
+            if any(captures.get(k, v) != v for k, v in found.items()):
                 captures = None
                 break
             captures.update(found)
+            nodes |= found_nodes
         if captures is not None:
-            return captures
+            return captures, nodes
     return None
+
+
+def match(graph: Graph, value: Value, pattern: Pattern, users: dict | None = None,
+          replaces: tuple[str, ...] = ()) -> Match | None:
+    """The match of `pattern` at the producers of `value` (captures as original Values), or None. Inner nodes must be
+    closed: each of their results is used only inside the match, or is a captured result named in `replaces`."""
+    got = _match_tree(graph, value, pattern, root=True)
+    if got is None:
+        return None
+    captures, nodes = got
+    users = _users(graph) if users is None else users
+    replaced = {captures[name] for name in replaces if name in captures}
+    for node_id in nodes - {value.node}:
+        for result in graph.node(node_id).results:
+            if result not in replaced and not users.get(result, set()) <= nodes:
+                return None
+    return Match(captures, frozenset(nodes))
 
 
 def apply_rules(graph: Graph, rules: list[RewriteRule], max_rounds: int = 8) -> tuple[Graph, dict[str, int]]:
     """Apply `rules` until none matches (a fixpoint; at most `max_rounds` rebuilds). Returns the graph (the same object
-    when nothing matched) and how often each rule fired."""
+    when nothing matched) and how often each rule fired.
+
+    Nodes are rebuilt in topological order; a root that matches is replaced where it stands, and the inner results a
+    rule replaces are remapped for every later user (the graph's outputs included); the rest of the match dies."""
     fired = {rule.name: 0 for rule in rules}
     for _ in range(max_rounds):
-        uses = _uses(graph)
+        users = _users(graph)
         builder = Builder()
         mapping: dict[Value, Value] = {}
         replaced = 0
+        consumed: set = set()  # nodes already fused into a replacement in this round
         for node in graph.nodes():
             new = None
-            if not isinstance(node.op, (Input, Param)) and len(node.results) == 1:
+            if not isinstance(node.op, (Input, Param)) and node.id not in consumed:
                 for rule in rules:
-                    captures = match(graph, node.results[0], rule.pattern, uses)
-                    if captures is not None and (rule.when is None or rule.when(graph, captures)):
-                        # captures translated to the new graph (the root's own capture, if any, is what is replaced)
-                        new = rule.build(builder, {k: mapping[v] for k, v in captures.items() if v in mapping})
-                        fired[rule.name] += 1
-                        replaced += 1
-                        break
+                    found = match(graph, node.results[0], rule.pattern, users, rule.replaces)
+                    if found is None or found.nodes & consumed:
+                        continue
+                    if rule.when is not None and not rule.when(graph, found.captures):
+                        continue
+                    captures = Captures({k: mapping[v] for k, v in found.captures.items() if v in mapping},
+                                        {k: graph.node(v.node).op for k, v in found.captures.items()})
+                    new = _bind(rule, node, rule.build(builder, captures), found, mapping)
+                    consumed |= found.nodes
+                    fired[rule.name] += 1
+                    replaced += 1
+                    break
             if new is None:
                 new = copy_node(builder, node, [mapping[v] for v in node.operands])
             new = new if isinstance(new, tuple) else (new,)
@@ -160,3 +224,23 @@ def apply_rules(graph: Graph, rules: list[RewriteRule], max_rounds: int = 8) -> 
             builder.output(name, mapping[value])
         graph = eliminate_dead_nodes(builder.build(graph.meta))
     raise RuntimeError(f"rewrite rules {[r.name for r in rules]} did not reach a fixpoint in {max_rounds} rounds")
+
+
+def _bind(rule: RewriteRule, root: Node, built, found: Match, mapping: dict) -> tuple:
+    """The root's new results from what `build` returned; replaced inner results go into `mapping`."""
+    if not isinstance(built, dict):
+        return built if isinstance(built, tuple) else (built,)
+    for name in rule.replaces:
+        mapping[found.captures[name]] = built[name]
+    names = rule.pattern.results or ((rule.pattern.capture,) if rule.pattern.capture else ())
+    if len(names) != len(root.results) or any(n not in built for n in names):
+        raise ValueError(f"rule {rule.name} must return every result of {root.op.op_name} by its capture name")
+    return tuple(built[n] for n in names)
+
+
+def apply_rules_pass(graph: Graph, rules: list[RewriteRule], not_found: str) -> PassResult:
+    """A pass made of rules: `apply_rules`, with the rules' fire counts as its stats, or skipped with `not_found`."""
+    new, fired = apply_rules(graph, rules)
+    if new is graph:
+        return PassResult(graph, False, fired, skipped=not_found)
+    return PassResult(new, True, fired)

@@ -21,7 +21,7 @@ from qcompile.ir.graph import Graph
 from qcompile.ir.ops.core import Activation, Concat, Linear, LinearSwiglu, Mul
 from qcompile.ir.ops.moe import GroupedMatmul, GroupedMatmulSwiglu
 from qcompile.passes.base import Pass, PassContext, PassResult
-from qcompile.passes.rewrite import Pattern, RewriteRule, apply_rules
+from qcompile.passes.rewrite import Pattern, RewriteRule, apply_rules_pass
 
 
 def _silu(op) -> bool:
@@ -53,10 +53,7 @@ RULES = [
 
 
 def run(graph: Graph, ctx: PassContext) -> PassResult:
-    new, fired = apply_rules(graph, RULES)
-    if new is graph:
-        return PassResult(graph, False, fired, skipped="no SwiGLU MLP (silu(gate) · up over one input) in the graph")
-    return PassResult(new, True, fired)
+    return apply_rules_pass(graph, RULES, not_found="no SwiGLU MLP (silu(gate) · up over one input) in the graph")
 
 
 SWIGLU_FUSION = Pass(

@@ -11,7 +11,12 @@ from qcompile.ir.cost import Cost, cost, nbytes
 from qcompile.ir.registry import expect, lowering, op, type_rule
 from qcompile.ir.types import TensorType
 from qcompile.kernels.causal_conv1d import causal_conv1d_cpu, causal_conv1d_reference
-from qcompile.kernels.gdn import gdn_chunked_reference, gdn_recurrence_cpu, gdn_recurrent_reference
+from qcompile.kernels.gdn_fused import gates, gdn_fused_cpu, gdn_fused_reference, recurrence
+from qcompile.kernels.pallas_gdn import gdn_fused_tpu
+
+
+MODES = ("auto", "chunked", "recurrent")
+STATE_DTYPES = ("f32", "bf16")
 
 
 @op("causal_conv1d")
@@ -62,25 +67,29 @@ def _gates_type(op_, a, b, a_log, dt_bias):
 
 @lowering(GdnGates)
 def _gates(op_, a, b, a_log, dt_bias):
-    g = -jnp.exp(a_log.astype(jnp.float32)) * jax.nn.softplus(a.astype(jnp.float32) + dt_bias.astype(jnp.float32))
-    beta = jax.nn.sigmoid(b).astype(jnp.float32)
-    return g, beta
+    return gates(a, b, a_log, dt_bias)
 
 
 @op("gdn_recurrence")
 @attrs.frozen
 class GdnRecurrence:
     """gdn_recurrence(q[T,Hk,dk], k[T,Hk,dk], v[T,Hv,dv], g, beta, state[S,Hv,dk,dv], query_start, state_slots)
-    -> (o[T,Hv,dv] in v's dtype, new state f32).
+    -> (o[T,Hv,dv] in v's dtype, new state in the state's dtype).
 
     q and k are L2-normalised over dk (x·rsqrt(Σx²+1e-6)), q scaled by dk^-0.5, both repeated to the value heads
-    (value head j reads key head j // (Hv/Hk)); then the gated delta rule with the read after the write.
+    (value head j reads key head j // (Hv/Hk)); then the gated delta rule with the read after the write, in f32 (a
+    bf16 state — the bf16-state pass — is read into f32 and rounded once when stored). Padding rows give 0.
     mode: "chunked" (prefill-friendly), "recurrent" (decode-friendly) or "auto" (recurrent when the bucket has at most
     one token slot per sequence slot, chunked otherwise). All modes compute the same function.
     """
 
-    mode: str = attrs.field(default="auto", validator=attrs.validators.in_(("auto", "chunked", "recurrent")))
+    mode: str = attrs.field(default="auto", validator=attrs.validators.in_(MODES))
     chunk_size: int = 64
+
+
+def _check_state(state, hv, dk, dv):
+    expect(state.rank == 4 and tuple(state.shape[1:]) == (hv, dk, dv) and state.dtype in STATE_DTYPES,
+           f"state {state} must be f32 or bf16 [S,{hv},{dk},{dv}]")
 
 
 @type_rule(GdnRecurrence)
@@ -89,50 +98,67 @@ def _recurrence_type(op_, q, k, v, g, beta, state, query_start, slots):
     hk, hv = q.shape[1], v.shape[1]
     expect(isinstance(hk, int) and isinstance(hv, int) and hv % hk == 0, f"value heads {hv} not a multiple of key heads {hk}")
     expect(g.shape == beta.shape == (v.shape[0], hv), f"gates {g} do not match values {v}")
-    expect(state.rank == 4 and tuple(state.shape[1:]) == (hv, q.shape[2], v.shape[2]) and state.dtype == "f32",
-           f"state {state} must be f32[S,{hv},{q.shape[2]},{v.shape[2]}]")
+    _check_state(state, hv, q.shape[2], v.shape[2])
     return v, state
-
-
-def l2_normalize(x, eps: float = 1e-6):
-    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
-
-
-def _normalized(q, k, v):
-    """q, k L2-normalised (q also scaled by dk^-0.5) and repeated to the value heads; v in f32."""
-    ratio = v.shape[1] // q.shape[1]
-    dk = q.shape[2]
-    qf = jnp.repeat(l2_normalize(q.astype(jnp.float32)) * dk**-0.5, ratio, axis=1)
-    kf = jnp.repeat(l2_normalize(k.astype(jnp.float32)), ratio, axis=1)
-    return qf, kf, v.astype(jnp.float32)
 
 
 @lowering(GdnRecurrence, "cpu")
 def _recurrence_cpu(op_, q, k, v, g, beta, state, query_start, slots):
     """Decode batches update every state slot in one vectorised step; other batches scan token by token (faster on
-    CPU than the chunked form at every measured size). An explicit mode is honoured as in the reference."""
-    if op_.mode != "auto":
-        return _recurrence(op_, q, k, v, g, beta, state, query_start, slots)
-    qf, kf, vf = _normalized(q, k, v)
-    out, new_state = gdn_recurrence_cpu(qf, kf, vf, g, beta, state, query_start, slots, op_.chunk_size)
-    return out.astype(v.dtype), new_state
+    CPU than the chunked form at every measured size); the native kernel where it is available
+    (kernels/gdn.py::gdn_recurrence_cpu). An explicit mode is honoured as in the reference."""
+    return recurrence(q, k, v, g, beta, state, query_start, slots, op_.mode, op_.chunk_size, rule="cpu")
 
 
 @lowering(GdnRecurrence)
 def _recurrence(op_, q, k, v, g, beta, state, query_start, slots):
-    ratio = v.shape[1] // q.shape[1]
-    dk = q.shape[2]
-    qf = jnp.repeat(l2_normalize(q.astype(jnp.float32)) * dk**-0.5, ratio, axis=1)
-    kf = jnp.repeat(l2_normalize(k.astype(jnp.float32)), ratio, axis=1)
-    vf = v.astype(jnp.float32)
-    mode = op_.mode
-    if mode == "auto":
-        mode = "recurrent" if q.shape[0] <= query_start.shape[0] - 1 else "chunked"
-    if mode == "recurrent":
-        out, new_state = gdn_recurrent_reference(qf, kf, vf, g, beta, state, query_start, slots)
-    else:
-        out, new_state = gdn_chunked_reference(qf, kf, vf, g, beta, state, query_start, slots, op_.chunk_size)
-    return out.astype(v.dtype), new_state
+    return recurrence(q, k, v, g, beta, state, query_start, slots, op_.mode, op_.chunk_size)
+
+
+@op("gated_delta_net")
+@attrs.frozen
+class GatedDeltaNet:
+    """gated_delta_net(x[T,C], a[T,Hv], b[T,Hv], conv_state[S,C,K-1], conv_w[C,K], A_log[Hv], dt_bias[Hv],
+    state[S,Hv,dk,dv], query_start, state_slots) -> (o[T,Hv,dv] in x's dtype, new conv state, new state).
+
+    The GDN layer's core as one op (the gdn-conv-fusion pass): causal_conv1d(silu) of x, its columns split as
+    [q: Hk·dk | k: Hk·dk | v: Hv·dv], gdn_gates(a, b, A_log, dt_bias), then gdn_recurrence — the same function as
+    those ops in sequence. Both states may be f32 or bf16 (computed in f32). Padding rows give 0. `mode` as
+    gdn_recurrence's.
+    """
+
+    mode: str = attrs.field(default="auto", validator=attrs.validators.in_(MODES))
+    chunk_size: int = 64
+
+
+@type_rule(GatedDeltaNet)
+def _gdn_type(op_, x, a, b, conv_state, conv_w, a_log, dt_bias, state, query_start, slots):
+    expect(x.rank == 2 and conv_w.rank == 2 and x.shape[1] == conv_w.shape[0],
+           f"conv weight {conv_w} does not match {x}")
+    expect(conv_state.rank == 3 and conv_state.shape[1] == x.shape[1] and conv_state.shape[2] == conv_w.shape[1] - 1
+           and conv_state.dtype in (x.dtype, "bf16"), f"conv state {conv_state} does not match weight {conv_w}")
+    expect(state.rank == 4, f"state {state} must be [S,Hv,dk,dv]")
+    hv, dk, dv = state.shape[1:]
+    _check_state(state, hv, dk, dv)
+    qk = x.shape[1] - hv * dv
+    expect(qk > 0 and qk % (2 * dk) == 0 and hv % (qk // (2 * dk)) == 0,
+           f"{x} does not split into [q | k | v] for {hv} value heads of {dk}x{dv}")
+    expect(a.shape == b.shape == (x.shape[0], hv) and a_log.shape == dt_bias.shape == (hv,),
+           f"gates {a} {b} {a_log} {dt_bias} do not match {hv} value heads")
+    return TensorType(x.dtype, (x.shape[0], hv, dv)), conv_state, state
+
+
+@lowering(GatedDeltaNet)
+def _gdn(op_, x, a, b, conv_state, conv_w, a_log, dt_bias, state, query_start, slots):
+    return gdn_fused_reference(x, a, b, conv_state, conv_w, a_log, dt_bias, state, query_start, slots, op_.mode,
+                               op_.chunk_size)
+
+
+@lowering(GatedDeltaNet, "cpu")
+def _gdn_cpu(op_, x, a, b, conv_state, conv_w, a_log, dt_bias, state, query_start, slots):
+    """The native fused kernel (kernels/native/gdn_fused_f32.cc) for f32 activations; else the unfused CPU rules."""
+    return gdn_fused_cpu(x, a, b, conv_state, conv_w, a_log, dt_bias, state, query_start, slots, op_.mode,
+                         op_.chunk_size)
 
 
 @op("gated_rmsnorm")
@@ -169,3 +195,20 @@ def _recurrence_cost(op_, operands, results, step):
     (_, q_shape), _, _, _, _, (state, state_shape), *_ = operands
     heads, dk, dv = state_shape[1:]
     return Cost(7.0 * q_shape[0] * heads * dk * dv, 2.0 * step.sequences * nbytes(state, state_shape[1:]))
+
+
+@cost(GatedDeltaNet)
+def _gdn_cost(op_, operands, results, step):
+    """The conv's taps and the recurrence's work; both states read and written once per sequence, x read once."""
+    (x, x_shape), _, _, (cs, cs_shape), (w, w_shape), _, _, (state, state_shape), *_ = operands
+    heads, dk, dv = state_shape[1:]
+    flops = 2.0 * x_shape[0] * w_shape[0] * w_shape[1] + 7.0 * x_shape[0] * heads * dk * dv
+    per_seq = nbytes(cs, cs_shape[1:]) + nbytes(state, state_shape[1:])
+    return Cost(flops, nbytes(w, w_shape) + 2.0 * step.sequences * per_seq)
+
+
+@lowering(GatedDeltaNet, "tpu")
+def _gdn_tpu(op_, x, a, b, conv_state, conv_w, a_log, dt_bias, state, query_start, slots):
+    """The Pallas kernel (kernels/pallas_gdn.py): each sequence's state in VMEM across its tokens; decode, prefill and
+    mixed batches in one call (every mode computes the same function)."""
+    return gdn_fused_tpu(x, a, b, conv_state, conv_w, a_log, dt_bias, state, query_start, slots)

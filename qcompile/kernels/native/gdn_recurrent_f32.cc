@@ -23,6 +23,7 @@
 #include <cstring>
 #include <vector>
 
+#include "delta_rule.h"
 #include "parallel_items.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -37,37 +38,11 @@ struct Job {
   int64_t t, h, dk, dv, s, b;
 };
 
-// One token of one head against the state matrix st[dk][dv] (updated in place when write is true).
-void token(const Job& j, int64_t t, int64_t head, float* st, bool write, float* kst, float* qst) {
+// One token of one head against the state matrix st[dk][dv], updated in place.
+void token(const Job& j, int64_t t, int64_t head, float* st, float* kst, float* qst) {
   const int64_t row = t * j.h + head;
-  const float* qt = j.q + row * j.dk;
-  const float* kt = j.k + row * j.dk;
-  const float* vt = j.v + row * j.dv;
-  float* ot = j.out + row * j.dv;
-  const float e = std::exp(j.g[row]), b = j.beta[row];
-  const int64_t dk = j.dk, dv = j.dv;
-  for (int64_t c = 0; c < dv; ++c) kst[c] = qst[c] = 0.0f;
-  float kq = 0.0f;
-  for (int64_t i = 0; i < dk; ++i) {
-    const float ki = kt[i], qi = qt[i];
-    const float* __restrict sr = st + i * dv;
-    kq += ki * qi;
-    for (int64_t c = 0; c < dv; ++c) {
-      kst[c] += ki * sr[c];
-      qst[c] += qi * sr[c];
-    }
-  }
-  for (int64_t c = 0; c < dv; ++c) {
-    const float delta = b * (vt[c] - e * kst[c]);
-    ot[c] = e * qst[c] + kq * delta;
-    kst[c] = delta;  // reused: δ
-  }
-  if (!write) return;
-  for (int64_t i = 0; i < dk; ++i) {
-    const float ki = kt[i];
-    float* __restrict sr = st + i * dv;
-    for (int64_t c = 0; c < dv; ++c) sr[c] = e * sr[c] + ki * kst[c];
-  }
+  qcompile_native::delta_rule_token(st, j.k + row * j.dk, j.q + row * j.dk, j.v + row * j.dv, std::exp(j.g[row]),
+                                    j.beta[row], j.dk, j.dv, j.out + row * j.dv, kst, qst);
 }
 
 void run_item(const Job& j, int64_t item) {
@@ -86,7 +61,7 @@ void run_item(const Job& j, int64_t item) {
     zero_state.assign(j.dk * j.dv, 0.0f);
     st = zero_state.data();
   }
-  for (int64_t t = t0; t < t1; ++t) token(j, t, head, st, true, scratch.data(), scratch.data() + j.dv);
+  for (int64_t t = t0; t < t1; ++t) token(j, t, head, st, scratch.data(), scratch.data() + j.dv);
 }
 
 ffi::Error GdnRecurrentF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,

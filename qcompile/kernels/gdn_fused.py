@@ -1,0 +1,99 @@
+"""The fused Gated DeltaNet core (the gdn-conv-fusion pass's op): causal conv + SiLU + q/k L2 norm + gates + delta
+rule in one call over a ragged batch, with both states in place.
+
+Contract (ir/ops/gdn.py GatedDeltaNet): x [T, C] (columns [q | k | v], C = 2·Hk·dk + Hv·dv), a, b [T, Hv],
+conv_state [S, C, K-1], conv_w [C, K], A_log, dt_bias [Hv], state [S, Hv, dk, dv], query_start [B+1],
+state_slots [B] -> (o [T, Hv, dv] in x's dtype, new conv state, new state). Both states may be f32 or bf16 (the
+bf16-state pass); they are computed in f32 and rounded once when stored. Padding rows give 0.
+
+`gdn_fused_reference` composes the unfused ops' reference functions — the definition. `gdn_fused_cpu` runs the
+native kernel (kernels/native/gdn_fused_f32.cc: one pass per token over the item's channels and states, each state
+read once and written once per step, in place) when x is f32, and the unfused CPU rules otherwise.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from qcompile.kernels import native
+from qcompile.kernels.causal_conv1d import causal_conv1d_cpu, causal_conv1d_reference
+from qcompile.kernels.gdn import gdn_chunked_reference, gdn_recurrence_cpu, gdn_recurrent_reference, normalized_heads
+from qcompile.kernels.ragged import token_layout
+
+NATIVE = {"f32": "qcompile_gdn_fused_f32", "bf16": "qcompile_gdn_fused_bf16_state"}
+
+
+def gates(a, b, a_log, dt_bias):
+    """g = −exp(A_log)·softplus(a + dt_bias) (f32), β = sigmoid(b) in b's dtype, then f32 (spec/model.md §3.5 e)."""
+    g = -jnp.exp(a_log.astype(jnp.float32)) * jax.nn.softplus(a.astype(jnp.float32) + dt_bias.astype(jnp.float32))
+    return g, jax.nn.sigmoid(b).astype(jnp.float32)
+
+
+def split_heads(y, num_value_heads: int, key_dim: int, value_dim: int):
+    """The conv output's columns as q, k [T,Hk,dk] and v [T,Hv,dv]."""
+    num_tokens, channels = y.shape
+    key_heads = (channels - num_value_heads * value_dim) // (2 * key_dim)
+    kd = key_heads * key_dim
+    return (y[:, :kd].reshape(num_tokens, key_heads, key_dim), y[:, kd:2 * kd].reshape(num_tokens, key_heads, key_dim),
+            y[:, 2 * kd:].reshape(num_tokens, num_value_heads, value_dim))
+
+
+def recurrence(q, k, v, g, beta, state, query_start, state_slots, mode: str, chunk: int, rule: str = "reference"):
+    """The delta rule on the conv's heads, state in its own dtype (computed in f32); padding rows 0."""
+    qf, kf, vf = normalized_heads(q, k, v)
+    s32 = state.astype(jnp.float32)
+    if rule == "cpu" and mode == "auto":
+        out, new = gdn_recurrence_cpu(qf, kf, vf, g, beta, s32, query_start, state_slots, chunk)
+    else:
+        if mode == "auto":
+            mode = "recurrent" if q.shape[0] <= query_start.shape[0] - 1 else "chunked"
+        run = gdn_recurrent_reference if mode == "recurrent" else gdn_chunked_reference
+        args = (chunk,) if mode == "chunked" else ()
+        out, new = run(qf, kf, vf, g, beta, s32, query_start, state_slots, *args)
+    valid = token_layout(query_start, q.shape[0]).valid
+    return (out * valid[:, None, None]).astype(v.dtype), new.astype(state.dtype)
+
+
+def gdn_fused_reference(x, a, b, conv_state, conv_w, a_log, dt_bias, state, query_start, state_slots,
+                        mode: str = "auto", chunk: int = 64):
+    y, new_conv = causal_conv1d_reference(x, conv_state, conv_w, query_start, state_slots, "silu")
+    q, k, v = split_heads(y, state.shape[1], state.shape[2], state.shape[3])
+    g, beta = gates(a, b, a_log, dt_bias)
+    out, new_state = recurrence(q, k, v, g, beta, state, query_start, state_slots, mode, chunk)
+    return out, new_conv, new_state
+
+
+def gdn_fused_native(x, a, b, conv_state, conv_w, a_log, dt_bias, state, query_start, state_slots):
+    """The native kernel (both states in one dtype, f32 or bf16; everything else f32). Call only after
+    `native.ensure(NATIVE[dtype])` returned True."""
+    f32 = jnp.float32
+    out_types = (jax.ShapeDtypeStruct((x.shape[0], *state.shape[1:2], state.shape[3]), f32),
+                 jax.ShapeDtypeStruct(conv_state.shape, conv_state.dtype), jax.ShapeDtypeStruct(state.shape, state.dtype))
+    name = NATIVE["f32" if state.dtype == jnp.float32 else "bf16"]
+    call = jax.ffi.ffi_call(name, out_types, input_output_aliases={3: 1, 7: 2})
+    return call(x.astype(f32), a.astype(f32), b.astype(f32), conv_state, conv_w.astype(f32), a_log.astype(f32),
+                dt_bias.astype(f32), state, query_start.astype(jnp.int32), state_slots.astype(jnp.int32))
+
+
+def native_dtype(x, conv_state, state) -> str | None:
+    """The native kernel's variant for these operands, or None (x not f32, or the two states of different dtypes)."""
+    if x.dtype != jnp.float32 or conv_state.dtype != state.dtype:
+        return None
+    return {jnp.dtype(jnp.float32): "f32", jnp.dtype(jnp.bfloat16): "bf16"}.get(jnp.dtype(state.dtype))
+
+
+def gdn_fused_cpu(x, a, b, conv_state, conv_w, a_log, dt_bias, state, query_start, state_slots,
+                  mode: str = "auto", chunk: int = 64):
+    """gdn_fused_reference's contract on CPU: the native kernel for f32 activations ("auto" mode; the explicit modes
+    are honoured as the reference computes them), else the unfused CPU rules one after another."""
+    variant = native_dtype(x, conv_state, state)
+    if mode == "auto" and variant is not None and native.ensure(NATIVE[variant]):
+        out, new_conv, new_state = gdn_fused_native(x, a, b, conv_state, conv_w, a_log, dt_bias, state, query_start,
+                                                    state_slots)
+        return out.astype(x.dtype), new_conv, new_state
+    y, new_conv = causal_conv1d_cpu(x, conv_state, conv_w, query_start, state_slots, "silu")
+    q, k, v = split_heads(y, state.shape[1], state.shape[2], state.shape[3])
+    g, beta = gates(a, b, a_log, dt_bias)
+    out, new_state = recurrence(q, k, v, g, beta, state, query_start, state_slots, mode, chunk, rule="cpu")
+    return out, new_conv, new_state

@@ -1,0 +1,143 @@
+"""The bf16-state pass: what it demotes (fused or unfused GDN layers, f32 or bf16 models), its lossy check (the check
+batch, then a 256-step teacher-forced decode comparing logits and greedy tokens against f32 states), the checker's
+comparison of caches across dtypes, and the state bytes it reports."""
+
+from __future__ import annotations
+
+import attrs
+import numpy as np
+import pytest
+
+from qcompile.errors import NumericsError
+from qcompile.frontend.checkpoint import Checkpoint
+from qcompile.ir.graph import Graph
+from qcompile.ir.importer import build_graph
+from qcompile.ir.ops.core import Input
+from qcompile.ir.ops.gdn import CausalConv1d, GatedDeltaNet, GdnRecurrence
+from qcompile.ir.printer import print_graph
+from qcompile.ir.verifier import verify
+from qcompile.ir.weights import load_params
+from qcompile.passes.base import PassContext, PassResult
+from qcompile.passes.bf16_state import BF16_STATE, DRIFT_STEPS, bytes_per_sequence, state_inputs
+from qcompile.passes.equivalence import EquivalenceChecker, compare
+from qcompile.passes.gdn_conv_fusion import GDN_CONV_FUSION
+from qcompile.passes.manager import run_pipeline
+from qcompile.passes.registry import PASSES, parse_spec
+from qcompile.passes.rewrite import eliminate_dead_nodes
+
+
+@pytest.fixture(scope="module", params=["qwen3_5_moe", "qwen3_next"])
+def model(request, tmp_path_factory):
+    from conftest import write_small
+
+    path = write_small(tmp_path_factory.mktemp(request.param) / "m", family=request.param, seed=9)
+    ckpt = Checkpoint.open(path)
+    graph = build_graph(ckpt)
+    return ckpt, graph, EquivalenceChecker(graph, load_params(ckpt, graph, progress=False), seed=0, target="cpu")
+
+
+def test_it_is_lossy_drift_checked_and_in_all():
+    assert PASSES["bf16-state"] is BF16_STATE and BF16_STATE.tolerance == "lossy" and BF16_STATE.in_all
+    assert BF16_STATE.drift_steps >= 256 and BF16_STATE.min_agreement is not None
+    names = list(PASSES)
+    assert names.index("bf16-state") > names.index("gdn-conv-fusion")  # dtype changes after fusions
+    assert "bf16-state" not in [p.name for p in parse_spec("all,-bf16-state")]
+
+
+def test_states_demoted_on_the_fused_and_the_unfused_graph(model):
+    """Every GDN state cache becomes bf16 (inputs and outputs), whichever ops update it; attention KV pages and
+    logits keep their dtype; half the state bytes per sequence are saved."""
+    _, graph, _ = model
+    for start in (graph, GDN_CONV_FUSION.run(graph, PassContext()).graph):
+        before = state_inputs(start)
+        result = BF16_STATE.run(start, PassContext())
+        new = result.graph
+        verify(new)
+        after = state_inputs(new)
+        assert set(after) == set(before) and len(before) == 2 * len(graph.find(GdnRecurrence)) > 0
+        assert all(t.dtype == "bf16" and t.shape == before[n].shape for n, t in after.items())
+        for name, value in new.outputs.items():
+            want = "bf16" if name in before else graph.type_of(graph.outputs[name]).dtype
+            assert new.type_of(value).dtype == want, name
+        assert result.stats["saved_per_sequence"] == bytes_per_sequence(before) // 2 > 0
+        ops = new.find(GatedDeltaNet) or new.find(GdnRecurrence) + new.find(CausalConv1d)
+        assert result.stats["ops"] == len(ops)
+
+
+def test_golden_after_fusion():
+    from test_gdn_conv_fusion import _gdn_graph
+
+    graph = _gdn_graph(states=("layers.0.conv_state", "layers.0.recurrent_state"))
+    fused = GDN_CONV_FUSION.run(graph, PassContext()).graph
+    text = print_graph(BF16_STATE.run(fused, PassContext()).graph)
+    assert 'input "layers.0.conv_state" : bf16[S,10,3]' in text
+    assert 'input "layers.0.recurrent_state" : bf16[S,2,2,3]' in text
+    assert ": f32[T,2,3], bf16[S,10,3], bf16[S,2,2,3]" in text  # o stays f32, both new states bf16
+    assert BF16_STATE.run(_gdn_graph(), PassContext()).skipped  # "state" is not a GDN state cache's name
+
+
+def test_not_transformed_without_states_or_when_already_bf16(model):
+    _, graph, _ = model
+    once = BF16_STATE.run(graph, PassContext()).graph
+    again = BF16_STATE.run(once, PassContext())
+    assert not again.changed and again.graph is once and "bf16 already" in again.skipped
+    no_caches = Graph(graph.dag, graph.outputs, {**graph.meta, "caches": []})
+    result = BF16_STATE.run(no_caches, PassContext())
+    assert not result.changed and "no recurrent or conv state" in result.skipped
+
+
+def test_a_bf16_model_demotes_only_the_recurrent_state(model):
+    """In a bf16 model the conv state is bf16 already; only the f32 recurrent states change."""
+    ckpt, graph, _ = model
+    bf16 = build_graph(ckpt, dtype="bf16")
+    result = BF16_STATE.run(bf16, PassContext())
+    assert result.stats["states"] == len(graph.find(GdnRecurrence))
+    assert all(t.dtype == "bf16" for t in state_inputs(result.graph).values())
+
+
+def test_lossy_check_over_a_256_step_decode(model):
+    """The check batch within the lossy bound, and a real demotion (an error above f32 rounding: the candidate was
+    given bf16 caches, not the f32 ones); then 257 teacher-forced greedy steps: median logit error within the
+    bound, greedy tokens agreeing on ≥ 95% of the steps, all reported."""
+    _, graph, checker = model
+    result = run_pipeline(graph, [GDN_CONV_FUSION, BF16_STATE], PassContext(), checker=checker)
+    record = result.records[1]
+    check = record.check
+    assert record.status == "applied" and check["ok"]
+    assert 1e-4 < check["max_error"] <= BF16_STATE.lossy_bound
+    assert set(check["retyped"]) == set(state_inputs(graph))
+    assert all(v == "f32 -> bf16" for v in check["retyped"].values())
+    assert check["drift_steps"] == DRIFT_STEPS + 1
+    assert 0 < check["drift"] <= BF16_STATE.lossy_bound and check["drift_max"] >= check["drift"]
+    assert BF16_STATE.min_agreement <= check["agreement"] <= 1.0
+    line = record.line()
+    assert "greedy tokens agree" in line and "saved_per_sequence" in line
+    assert result.final_check.ok
+
+
+def _forgets_the_store(graph, ctx):
+    """BROKEN on purpose: bf16 states whose new recurrent state is never stored (the old one is returned)."""
+    demoted = BF16_STATE.run(graph, ctx).graph
+    inputs = {node.op.name: node.results[0] for node in demoted.find(Input)}
+    outputs = {name: inputs[name] if name.endswith(".recurrent_state") else value
+               for name, value in demoted.outputs.items()}
+    new = eliminate_dead_nodes(Graph(demoted.dag, outputs, demoted.meta))
+    return PassResult(new, True, {})
+
+
+def test_a_lost_state_update_is_caught(model):
+    _, graph, checker = model
+    broken = attrs.evolve(BF16_STATE, name="stale-state", run=_forgets_the_store)
+    with pytest.raises(NumericsError, match="after pass stale-state"):
+        run_pipeline(graph, [broken], PassContext(), checker=checker)
+
+
+def test_compare_upcasts_across_dtypes_but_fails_a_changed_shape():
+    import ml_dtypes
+
+    ref = {"s": np.linspace(-1, 1, 12, dtype=np.float32).reshape(3, 4)}
+    demoted = {"s": ref["s"].astype(ml_dtypes.bfloat16)}
+    result = compare(ref, demoted, 1e-2)
+    assert result.ok and result.retyped == {"s": "f32 -> bf16"} and 0 < result.max_error < 4e-3
+    assert not compare(ref, demoted, 1e-4).ok  # the bf16 rounding is measured, not waved through
+    assert not compare(ref, {"s": ref["s"].reshape(4, 3)}, 1.0).ok
