@@ -82,7 +82,7 @@ def _kernel(query_start, slots,  # scalar prefetch
             xq_ref, xk_ref, xv_ref, wq_ref, wk_ref, wv_ref, a_ref, b_ref, alog_ref, dtb_ref,
             winq_ref, wink_ref, winv_ref, state_hbm,
             o_ref, new_winq_ref, new_wink_ref, new_winv_ref, state_out_hbm,
-            state_vmem, state_io, sem, *, num_seqs: int, num_slots: int, chunk: int):
+            state_vmem, state_io, sem, *, num_seqs: int, num_slots: int, chunk: int, act_dtype):
     h = pl.program_id(0)
     dk = xq_ref.shape[-1]
     o_ref[...] = jnp.zeros_like(o_ref)
@@ -91,13 +91,17 @@ def _kernel(query_start, slots,  # scalar prefetch
     a_log = alog_ref[...].astype(jnp.float32)  # [1, 1]
     dt_bias = dtb_ref[...].astype(jnp.float32)
 
+    def rounded(z):  # where the unfused ops round to the activations' dtype (bf16 models), so does the kernel
+        return z if act_dtype == jnp.float32 else z.astype(act_dtype).astype(jnp.float32)
+
     def conv(window, w, x):  # window [K-1, c] oldest first, x [n, c] -> (silu(y) [n, c], new window)
         rows = x.shape[0]
         ext = jnp.concatenate([window, x], axis=0)  # [K-1+n, c]
         y = w[width:] * x
         for j in range(width):
             y = y + w[j:j + 1] * ext[j:j + rows]
-        return y * jax.nn.sigmoid(y), ext[rows:]
+        y = rounded(y)
+        return rounded(y * jax.nn.sigmoid(y)), ext[rows:]
 
     def inputs(t, rows, windows):
         """Conv, SiLU, L2 norm and gates of tokens [t, t + rows) -> (q, k, v, g, beta, windows)."""
@@ -108,7 +112,7 @@ def _kernel(query_start, slots,  # scalar prefetch
         q = q * jax.lax.rsqrt(jnp.sum(q * q, axis=-1, keepdims=True) + 1e-6) * dk**-0.5
         k = k * jax.lax.rsqrt(jnp.sum(k * k, axis=-1, keepdims=True) + 1e-6)
         g = -jnp.exp(a_log) * _softplus(a_ref[pl.ds(t, rows), :].astype(jnp.float32) + dt_bias)  # [rows, 1]
-        beta = jax.nn.sigmoid(b_ref[pl.ds(t, rows), :].astype(jnp.float32))
+        beta = rounded(jax.nn.sigmoid(b_ref[pl.ds(t, rows), :].astype(jnp.float32)))
         return q, k, v, g, beta, (win_q, win_k, win_v)
 
     def sequence(seq, carry):
@@ -182,6 +186,8 @@ def gdn_fused_pallas(x, a, b, conv_state, conv_w, a_log, dt_bias, state, query_s
     ratio, kd = hv // hk, hk * dk
     num_seqs = state_slots.shape[0]
     padded = -(-max(num_tokens, 1) // 8) * 8  # token rows: a multiple of the 8-row sublane tile
+    if chunk > padded:  # no sequence of this bucket can fill a chunk: every token by the recurrent form
+        chunk = 0
     xp = jnp.pad(x, ((0, padded - num_tokens), (0, 0)))
 
     def heads(cols, n, d):  # [rows, n·d] -> [n, rows, d]
@@ -212,7 +218,7 @@ def gdn_fused_pallas(x, a, b, conv_state, conv_w, a_log, dt_bias, state, query_s
                   jax.ShapeDtypeStruct((hv, num_seqs, width, dv), conv_state.dtype),
                   jax.ShapeDtypeStruct(state.shape, state.dtype))
     call = pl.pallas_call(
-        functools.partial(_kernel, num_seqs=num_seqs, num_slots=num_slots, chunk=chunk),
+        functools.partial(_kernel, num_seqs=num_seqs, num_slots=num_slots, chunk=chunk, act_dtype=x.dtype),
         out_shape=out_shapes,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,
