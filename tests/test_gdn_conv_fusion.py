@@ -301,6 +301,28 @@ def test_the_closed_form_chunks_are_what_runs(monkeypatch):
         _check(fn, np.random.default_rng(14), CASES[3], np.float32, "broken chunk", 2e-6)
 
 
+def test_kernels_on_random_shapes_and_ragged_batches():
+    """Shapes and batches drawn fresh each run (the seed is in the failure message): key heads, the value/key head
+    ratio, dk, dv, conv taps, sequence lengths (empty ones included), slots (out of range included), padding rows;
+    the native kernel and the Pallas kernel (chunks of 8) against the oracle."""
+    seed = int(np.random.SeedSequence().entropy % 2**32)
+    rng = np.random.default_rng(seed)
+    for _ in range(3):
+        num_seqs = int(rng.integers(1, 5))
+        lengths = tuple(int(n) for n in rng.choice([0, 1, 1, 3, 9, 17], num_seqs))
+        if not sum(lengths):
+            lengths = (1, *lengths[1:])
+        slots = tuple(int(s) for s in rng.permutation(6)[:num_seqs])  # slot 5 of S = 5 is out of range
+        hk, ratio = int(rng.integers(1, 3)), int(rng.integers(1, 4))
+        case = (lengths, slots, hk, hk * ratio, int(rng.choice([4, 8, 16])), int(rng.choice([3, 8, 12])),
+                int(rng.integers(2, 5)), int(rng.integers(0, 4)))
+        what = f"seed {seed}"
+        if native.ensure(gdn_fused.NATIVE["f32"]):
+            _check(gdn_fused.gdn_fused_native, rng, case, np.float32, f"native {what}", 2e-6)
+        pallas = lambda *a: pallas_gdn.gdn_fused_pallas(*a, interpret=True, chunk=8)  # noqa: E731
+        _check(pallas, rng, case, np.float32, f"pallas {what}", 2e-6)
+
+
 def test_tpu_rule_exports_the_kernel_for_tpu():
     """Lowered for platform tpu on this host, the tpu rule holds the compiled Pallas kernel (one tpu_custom_call)."""
     from jax import export

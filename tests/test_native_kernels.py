@@ -170,6 +170,34 @@ def test_gdn_recurrence_matches_float64_oracle():
             assert np.array_equal(got_state[untouched], np.asarray(args[5])[untouched])
 
 
+@pytest.mark.skipif(not native.ensure(gdn.NATIVE_BF16_STATE), reason="native kernels unavailable")
+def test_gdn_recurrence_with_a_bf16_state_matches_the_oracle():
+    """The bf16-state entry point: the oracle run from the stored (bf16) state in float64, the result rounded once
+    per step (one token: rows rounded in place; several: the whole state once) — within bf16's half ulp."""
+    import ml_dtypes
+
+    rng = np.random.default_rng(12)
+    call = jax.jit(gdn.gdn_recurrent_native)
+    for new, num_tokens, slots, num_slots in (([1, 1, 1], 4, [2, 0, 3], 5), ([5, 1, 0, 9], 16, [1, 4, 0, 2], 5),
+                                              ([2, 3], 8, [7, 1], 3)):
+        h, dk, dv = 2, 16, 12
+        qs = np.concatenate([[0], np.cumsum(new)]).astype(np.int32)
+        q, k = (rng.standard_normal((num_tokens, h, dk)) / 4 for _ in range(2))
+        v = rng.standard_normal((num_tokens, h, dv))
+        g, beta = -rng.uniform(0.01, 1.0, (num_tokens, h)), rng.uniform(0.1, 0.9, (num_tokens, h))
+        state = jnp.asarray(rng.standard_normal((num_slots, h, dk, dv)), jnp.bfloat16)
+        args = [jnp.asarray(a, jnp.float32) for a in (q, k, v, g, beta)]
+        tail = [jnp.asarray(qs), jnp.asarray(np.array(slots, np.int32))]
+        want_out, want_state = gdn_oracle(*args, state.astype(jnp.float32), *tail)
+        got_out, got_state = call(*args, state, *tail)
+        assert got_state.dtype == jnp.bfloat16
+        assert np.abs(np.asarray(got_out) - want_out).max() / np.abs(want_out).max() <= 1e-5  # o from the f32 state
+        got64 = np.asarray(got_state.astype(jnp.float32), np.float64)
+        assert np.abs(got64 - want_state).max() / np.abs(want_state).max() <= 4e-3
+        rounded = np.asarray(want_state, np.float32).astype(ml_dtypes.bfloat16).astype(np.float64)
+        assert np.mean(got64 == rounded) > 0.99  # rounded to nearest even, as XLA rounds
+
+
 def test_gdn_rule_uses_the_kernel_and_updates_the_state_in_place():
     """The CPU rule lowers to the custom call with the new state aliasing the old (no state copy in the module)."""
     q = jnp.ones((4, 2, 8), jnp.float32)

@@ -163,16 +163,25 @@ def _gdn_one_step(q, k, v, g, beta, state, slots):
 
 
 NATIVE_F32 = "qcompile_gdn_recurrent_f32"
+NATIVE_BF16_STATE = "qcompile_gdn_recurrent_bf16_state"
+
+
+def native_kernel(state) -> str:
+    """The native recurrence's entry point for this state's dtype (f32, or bf16 from the bf16-state pass)."""
+    return NATIVE_BF16_STATE if state.dtype == jnp.bfloat16 else NATIVE_F32
 
 
 def gdn_recurrent_native(q, k, v, g, beta, state, query_start, state_slots):
     """gdn_recurrent_reference's contract by the native kernel (kernels/native/gdn_recurrent_f32.cc): each sequence's
-    state read once and written once per token, in place (the new state aliases `state`; XLA copies first only if
-    the input is still needed). Call only after `native.ensure(NATIVE_F32)` returned True."""
+    state read once and written once per step, in place (the new state aliases `state`; XLA copies first only if
+    the input is still needed); a bf16 state is computed in f32 and rounded once when stored. Call only after
+    `native.ensure(native_kernel(state))` returned True."""
     f32 = jnp.float32
-    call = jax.ffi.ffi_call(NATIVE_F32, (jax.ShapeDtypeStruct(v.shape, f32), jax.ShapeDtypeStruct(state.shape, f32)),
+    state_dtype = jnp.bfloat16 if state.dtype == jnp.bfloat16 else f32
+    call = jax.ffi.ffi_call(native_kernel(state), (jax.ShapeDtypeStruct(v.shape, f32),
+                                                   jax.ShapeDtypeStruct(state.shape, state_dtype)),
                             input_output_aliases={5: 1})
-    return call(q.astype(f32), k.astype(f32), v.astype(f32), g.astype(f32), beta.astype(f32), state.astype(f32),
+    return call(q.astype(f32), k.astype(f32), v.astype(f32), g.astype(f32), beta.astype(f32), state.astype(state_dtype),
                 query_start.astype(jnp.int32), state_slots.astype(jnp.int32))
 
 
@@ -180,7 +189,8 @@ def gdn_recurrence_cpu(q, k, v, g, beta, state, query_start, state_slots, chunk:
                        chunked_min_tokens: int | None = None, dense_state_bytes: int = 8 << 20):
     """Same contract as gdn_recurrent_reference / gdn_chunked_reference, and the op's "auto" mode row for row.
 
-    Where the native kernel is available (f32 is all this function sees) it serves every batch but the chunked form:
+    `state` is f32, or bf16 (the bf16-state pass: the native kernel computes it in f32 and returns it bf16; the jnp
+    forms return it f32). Where the native kernel is available it serves every batch but the chunked form:
     decode, prefill and mixed alike, each state read and written once per token in place (docs/cpu_rules.md,
     "gdn_recurrence": 1.3× the jnp rule at decode B=32, 2.4-5× at prefill and mixed). Without it, a runtime lax.cond on the sequence lengths: when every sequence has ≤ 1 token (decode) all slots are updated at
     once in one vectorised step (_gdn_one_step, dense over the S state slots; used when S ≤ T and, in T ≤ B buckets,
@@ -199,9 +209,10 @@ def gdn_recurrence_cpu(q, k, v, g, beta, state, query_start, state_slots, chunk:
     auto_recurrent = num_tokens <= num_seqs
     use_chunked = not auto_recurrent and chunked_min_tokens is not None and num_tokens >= chunked_min_tokens
     lay = token_layout(query_start, num_tokens)
-    if not use_chunked and native.ensure(NATIVE_F32):
+    if not use_chunked and native.ensure(native_kernel(state)):
         out, new_state = gdn_recurrent_native(q, k, v, g, beta, state, query_start, state_slots)
         return (out if auto_recurrent else out * lay.valid[:, None, None]), new_state
+    state = state.astype(jnp.float32)  # the jnp forms run in f32 (a bf16 state is rounded back by the caller)
 
     def one_step(_):
         slots = slot_or_drop(lay.valid, state_slots[lay.seq], num_slots)

@@ -43,8 +43,8 @@ def recurrence(q, k, v, g, beta, state, query_start, state_slots, mode: str, chu
     """The delta rule on the conv's heads, state in its own dtype (computed in f32); padding rows 0."""
     qf, kf, vf = normalized_heads(q, k, v)
     s32 = state.astype(jnp.float32)
-    if rule == "cpu" and mode == "auto":
-        out, new = gdn_recurrence_cpu(qf, kf, vf, g, beta, s32, query_start, state_slots, chunk)
+    if rule == "cpu" and mode == "auto":  # the native kernel takes a bf16 state as it is (no full-cache up-cast)
+        out, new = gdn_recurrence_cpu(qf, kf, vf, g, beta, state, query_start, state_slots, chunk)
     else:
         if mode == "auto":
             mode = "recurrent" if q.shape[0] <= query_start.shape[0] - 1 else "chunked"

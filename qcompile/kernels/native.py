@@ -46,8 +46,10 @@ KERNELS = {
     "qcompile_grouped_matmul_swiglu_f32": ("grouped_matmul_f32.cc", "QcompileGroupedMatmulSwigluF32"),
     "qcompile_linear_f32": ("linear_f32.cc", "QcompileLinearF32"),
     "qcompile_gdn_recurrent_f32": ("gdn_recurrent_f32.cc", "QcompileGdnRecurrentF32"),
+    "qcompile_gdn_recurrent_bf16_state": ("gdn_recurrent_f32.cc", "QcompileGdnRecurrentBf16State"),
     "qcompile_gdn_fused_f32": ("gdn_fused_f32.cc", "QcompileGdnFusedF32"),
     "qcompile_gdn_fused_bf16_state": ("gdn_fused_f32.cc", "QcompileGdnFusedBf16State"),
+    "qcompile_zero_slot": ("zero_slot.cc", "QcompileZeroSlot"),
 }
 
 _registered: dict[str, bool] = {}

@@ -27,6 +27,9 @@ from qcompile.ir.abi import LOGITS, NEXT_TOKENS, CacheConfig, WorkItem, graph_ca
 from qcompile.ir.graph import Graph
 from qcompile.ir.lowering import host_target, step_function
 from qcompile.ir.types import np_dtype
+from qcompile.kernels import native
+
+ZERO_SLOT = "qcompile_zero_slot"
 
 __all__ = ["CacheConfig", "Engine", "GraphProgram", "Sequence"]
 
@@ -68,10 +71,20 @@ class GraphProgram:
         return self._jitted[with_logits](params, caches, batch)
 
 
+def _zero_slot(arr, slot):
+    """arr with arr[slot] = 0, in place. bf16 arrays go through the native kernel `qcompile_zero_slot` where it can be
+    built: XLA CPU runs a bf16 dynamic-update-slice as a convert fusion over the whole array (measured 3-5 ms per
+    8.6 MB state cache, once per layer per new sequence: 170 ms of a 32-sequence prefill step with bf16 states)."""
+    if arr.dtype == jnp.bfloat16 and native.ensure(ZERO_SLOT):
+        call = jax.ffi.ffi_call(ZERO_SLOT, jax.ShapeDtypeStruct(arr.shape, arr.dtype), input_output_aliases={0: 0})
+        return call(arr, jnp.asarray(slot, jnp.int32))
+    return arr.at[slot].set(0)
+
+
 @functools.partial(jax.jit, donate_argnums=(0,))
 def _reset_slot(caches, slot):
     """Zero one sequence slot of every GDN state cache (a new sequence starts from empty state)."""
-    return {name: (arr.at[slot].set(0) if name.endswith("_state") else arr) for name, arr in caches.items()}
+    return {name: (_zero_slot(arr, slot) if name.endswith("_state") else arr) for name, arr in caches.items()}
 
 
 class Engine:

@@ -10,16 +10,31 @@
 #define QCOMPILE_NATIVE_DELTA_RULE_H_
 
 #include <cstdint>
+#include <type_traits>
+
+#include "bf16.h"
 
 namespace qcompile_native {
 
-inline void delta_rule_token(float* st, const float* kt, const float* qt, const float* vt, float e, float beta,
-                             int64_t dk, int64_t dv, float* out, float* kst, float* qst) {
+template <class StateT>
+inline void delta_rule_token(StateT* st, const float* kt, const float* qt, const float* vt, float e, float beta,
+                             int64_t dk, int64_t dv, float* out, float* kst, float* qst, float* row) {
+  // st is f32 (used in place) or bf16 (each row widened into `row`, dv floats of caller scratch, and rounded back
+  // once: for one token per step that is the same single rounding as a whole-state copy, without the copy).
+  constexpr bool f32 = std::is_same<StateT, float>::value;
+  auto row_f32 = [&](int64_t i) -> const float* {
+    if constexpr (f32) {
+      return st + i * dv;
+    } else {
+      widen(st + i * dv, row, dv);
+      return row;
+    }
+  };
   for (int64_t c = 0; c < dv; ++c) kst[c] = qst[c] = 0.0f;
   float kq = 0.0f;
   for (int64_t i = 0; i < dk; ++i) {
     const float ki = kt[i], qi = qt[i];
-    const float* __restrict sr = st + i * dv;
+    const float* __restrict sr = row_f32(i);
     kq += ki * qi;
     for (int64_t c = 0; c < dv; ++c) {
       kst[c] += ki * sr[c];
@@ -33,8 +48,14 @@ inline void delta_rule_token(float* st, const float* kt, const float* qt, const 
   }
   for (int64_t i = 0; i < dk; ++i) {
     const float ki = kt[i];
-    float* __restrict sr = st + i * dv;
-    for (int64_t c = 0; c < dv; ++c) sr[c] = e * sr[c] + ki * kst[c];
+    if constexpr (f32) {
+      float* __restrict sr = st + i * dv;
+      for (int64_t c = 0; c < dv; ++c) sr[c] = e * sr[c] + ki * kst[c];
+    } else {
+      const float* sr = row_f32(i);
+      for (int64_t c = 0; c < dv; ++c) row[c] = e * sr[c] + ki * kst[c];
+      narrow(row, st + i * dv, dv);
+    }
   }
 }
 

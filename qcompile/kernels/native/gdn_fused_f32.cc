@@ -29,8 +29,10 @@
 #include <type_traits>
 #include <vector>
 
+#include "bf16.h"
 #include "delta_rule.h"
 #include "parallel_items.h"
+#include "vec16.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -39,29 +41,18 @@ namespace {
 
 inline float load(const float* p) { return *p; }
 inline float load(const uint16_t* p) {
-  const uint32_t bits = static_cast<uint32_t>(*p) << 16;
   float f;
-  std::memcpy(&f, &bits, 4);
+  qcompile_native::widen(p, &f, 1);
   return f;
 }
 inline void store(float* p, float f) { *p = f; }
-inline void store(uint16_t* p, float f) {  // round to nearest even; NaN stays a (quiet) NaN
-  uint32_t bits;
-  std::memcpy(&bits, &f, 4);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) {
-    *p = static_cast<uint16_t>((bits >> 16) | 0x40u);
-    return;
-  }
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  *p = static_cast<uint16_t>(bits >> 16);
-}
+inline void store(uint16_t* p, float f) { qcompile_native::narrow(&f, p, 1); }
 
-inline float silu(float y) { return y / (1.0f + std::exp(-y)); }
 inline float softplus(float x) { return x > 0.0f ? x + std::log1p(std::exp(-x)) : std::log1p(std::exp(x)); }
 
 template <class StateT>
 struct Job {
-  const float *x, *a, *b, *conv_w, *a_log, *dt_bias;
+  const float *x, *a, *b, *conv_wt, *a_log, *dt_bias;  // conv_wt: the conv weights transposed, [K][C]
   StateT *conv_state, *state;
   float* out;
   const int32_t *query_start, *slots;
@@ -76,49 +67,62 @@ void run_item(const Job<StateT>& j, int64_t item) {
   if (t0 == t1) return;
   const int64_t ratio = j.hv / j.hk, dk = j.dk, dv = j.dv, width = j.k - 1;
   const int64_t key_dim = j.hk * dk;
-  // The item's channels, in order: q of kh, k of kh, v of its value heads (three contiguous column ranges).
+  // The item's channels, in order: q of kh, k of kh, v of its value heads — three contiguous column ranges of x,
+  // packed into one run of nch channels (so every per-channel loop below is a plain vectorisable loop).
   const int64_t nch = 2 * dk + ratio * dv;
-  std::vector<int64_t> chan(nch);
-  for (int64_t i = 0; i < dk; ++i) chan[i] = kh * dk + i, chan[dk + i] = key_dim + kh * dk + i;
-  for (int64_t i = 0; i < ratio * dv; ++i) chan[2 * dk + i] = 2 * key_dim + kh * ratio * dv + i;
+  const int64_t first[3] = {kh * dk, key_dim + kh * dk, 2 * key_dim + kh * ratio * dv};
+  const int64_t count[3] = {dk, dk, ratio * dv};
+  const int64_t offset[3] = {0, dk, 2 * dk};
+  auto gather = [&](const float* row, float* dst) {
+    for (int r = 0; r < 3; ++r) std::memcpy(dst + offset[r], row + first[r], sizeof(float) * count[r]);
+  };
 
   const int64_t slot = j.slots[seq];
   const bool in_range = slot >= 0 && slot < j.s;
   const int64_t conv_slot = std::clamp<int64_t>(slot, 0, j.s - 1);
-  // window[tap][ch]: the K-1 previous pre-conv columns, oldest first; weights wt[tap][ch] for the K taps.
-  std::vector<float> window(width * nch), wt(j.k * nch), y(nch);
-  for (int64_t i = 0; i < nch; ++i) {
-    const StateT* cs = j.conv_state + (conv_slot * j.c + chan[i]) * width;
-    for (int64_t m = 0; m < width; ++m) window[m * nch + i] = load(cs + m);
-    for (int64_t m = 0; m < j.k; ++m) wt[m * nch + i] = j.conv_w[chan[i] * j.k + m];
-  }
-  // The value heads' states in f32: in place when StateT is float and the slot is real, else a working copy.
+  // window[tap][ch]: the K-1 previous pre-conv columns, oldest first; wt[tap][ch] the K taps' weights; xc, y: the
+  // token's inputs and conv outputs. Per thread, reused across items and calls.
+  static thread_local std::vector<float> window, wt, xc, y;
+  for (auto* buf : {&window, &wt, &xc, &y})
+    if (static_cast<int64_t>(buf->size()) < j.k * nch) buf->resize(j.k * nch);
+  for (int64_t m = 0; m < j.k; ++m) gather(j.conv_wt + m * j.c, wt.data() + m * nch);
+  for (int r = 0; r < 3; ++r)
+    for (int64_t i = 0; i < count[r]; ++i) {
+      const StateT* cs = j.conv_state + (conv_slot * j.c + first[r] + i) * width;
+      for (int64_t m = 0; m < width; ++m) window[m * nch + offset[r] + i] = load(cs + m);
+    }
+  // The value heads' states: used where they lie when f32, or when bf16 and the sequence has one token this step
+  // (each row widened and rounded back once); else (a bf16 prefill) read into f32 once, rounded once at the end.
   const int64_t per_head = dk * dv;
-  constexpr bool in_place_ok = std::is_same<StateT, float>::value;
-  std::vector<float> work;
-  float* states;
+  const bool direct = in_range && (std::is_same<StateT, float>::value || t1 - t0 == 1);
+  static thread_local std::vector<float> work;
   StateT* stored = in_range ? j.state + (slot * j.hv + kh * ratio) * per_head : nullptr;
-  if (in_place_ok && in_range) {
-    states = reinterpret_cast<float*>(stored);
-  } else {
-    work.assign(ratio * per_head, 0.0f);
-    if (in_range)
-      for (int64_t i = 0; i < ratio * per_head; ++i) work[i] = load(stored + i);
+  float* states = nullptr;
+  if (!direct) {
+    if (static_cast<int64_t>(work.size()) < ratio * per_head) work.resize(ratio * per_head);
     states = work.data();
+    if (in_range)
+      qcompile_native::widen(stored, states, ratio * per_head);
+    else
+      std::fill(states, states + ratio * per_head, 0.0f);
   }
-  std::vector<float> kst(dv), qst(dv);
+  static thread_local std::vector<float> kst, qst, row;
+  for (auto* buf : {&kst, &qst, &row})
+    if (static_cast<int64_t>(buf->size()) < dv) buf->resize(dv);
   const float q_scale = 1.0f / std::sqrt(static_cast<float>(dk));
   for (int64_t t = t0; t < t1; ++t) {
-    const float* xt = j.x + t * j.c;
-    for (int64_t i = 0; i < nch; ++i) {
-      const float cur = xt[chan[i]];
-      float acc = wt[width * nch + i] * cur;
-      for (int64_t m = 0; m < width; ++m) acc += wt[m * nch + i] * window[m * nch + i];
-      y[i] = silu(acc);
+    gather(j.x + t * j.c, xc.data());
+    const float* w_cur = wt.data() + width * nch;
+    for (int64_t i = 0; i < nch; ++i) y[i] = w_cur[i] * xc[i];
+    for (int64_t m = 0; m < width; ++m) {
+      const float* wm = wt.data() + m * nch;
+      const float* xm = window.data() + m * nch;
+      for (int64_t i = 0; i < nch; ++i) y[i] += wm[i] * xm[i];
     }
+    qcompile_native::silu_inplace(y.data(), nch);
     if (width > 0) {  // shift the window by one column, the current token last
       std::memmove(window.data(), window.data() + nch, sizeof(float) * (width - 1) * nch);
-      for (int64_t i = 0; i < nch; ++i) window[(width - 1) * nch + i] = xt[chan[i]];
+      std::memcpy(window.data() + (width - 1) * nch, xc.data(), sizeof(float) * nch);
     }
     float* qv = y.data();
     float* kv = y.data() + dk;
@@ -134,17 +138,22 @@ void run_item(const Job<StateT>& j, int64_t item) {
       const float* vt = y.data() + 2 * dk + r * dv;
       const float g = -std::exp(j.a_log[h]) * softplus(j.a[t * j.hv + h] + j.dt_bias[h]);
       const float e = std::exp(g), beta = 1.0f / (1.0f + std::exp(-j.b[t * j.hv + h]));
-      qcompile_native::delta_rule_token(states + r * per_head, kv, qv, vt, e, beta, dk, dv,
-                                        j.out + (t * j.hv + h) * dv, kst.data(), qst.data());
+      float* ot = j.out + (t * j.hv + h) * dv;
+      if (direct)
+        qcompile_native::delta_rule_token(stored + r * per_head, kv, qv, vt, e, beta, dk, dv, ot, kst.data(),
+                                          qst.data(), row.data());
+      else
+        qcompile_native::delta_rule_token(states + r * per_head, kv, qv, vt, e, beta, dk, dv, ot, kst.data(),
+                                          qst.data(), row.data());
     }
   }
   if (!in_range) return;
-  for (int64_t i = 0; i < nch; ++i) {
-    StateT* cs = j.conv_state + (slot * j.c + chan[i]) * width;
-    for (int64_t m = 0; m < width; ++m) store(cs + m, window[m * nch + i]);
-  }
-  if (!(in_place_ok && in_range))
-    for (int64_t i = 0; i < ratio * per_head; ++i) store(stored + i, work[i]);
+  for (int r = 0; r < 3; ++r)
+    for (int64_t i = 0; i < count[r]; ++i) {
+      StateT* cs = j.conv_state + (slot * j.c + first[r] + i) * width;
+      for (int64_t m = 0; m < width; ++m) store(cs + m, window[m * nch + offset[r] + i]);
+    }
+  if (!direct) qcompile_native::narrow(states, stored, ratio * per_head);
 }
 
 template <ffi::DataType SD>
@@ -170,7 +179,10 @@ ffi::Error GdnFused(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
     return ffi::Error::InvalidArgument(
         "qcompile gdn fused: expected x[T,C], a,b[T,Hv], conv_state[S,C,K-1], conv_w[C,K], A_log,dt_bias[Hv], "
         "state[S,Hv,dk,dv] with C = 2·Hk·dk + Hv·dv, query_start[B+1], state_slots[B]");
-  Job<StateT> j{x.typed_data(), a.typed_data(), b.typed_data(), conv_w.typed_data(), a_log.typed_data(),
+  std::vector<float> conv_wt(conv_w.element_count());  // [C][K] -> [K][C], once per call (C·K floats)
+  for (int64_t c = 0; c < wd[0]; ++c)
+    for (int64_t m = 0; m < wd[1]; ++m) conv_wt[m * wd[0] + c] = conv_w.typed_data()[c * wd[1] + m];
+  Job<StateT> j{x.typed_data(), a.typed_data(), b.typed_data(), conv_wt.data(), a_log.typed_data(),
                 dt_bias.typed_data(), new_conv->typed_data(), new_state->typed_data(), out->typed_data(),
                 query_start.typed_data(), slots.typed_data(), xd[0], xd[1], wd[1], sd[0],
                 (xd[1] - sd[1] * sd[3]) / (2 * sd[2]), sd[1], sd[2], sd[3], sld[0]};

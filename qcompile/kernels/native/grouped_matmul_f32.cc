@@ -27,14 +27,17 @@
 #include <vector>
 
 #include "parallel_items.h"
+#include "vec16.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-typedef float v16 __attribute__((vector_size(64)));
-typedef float v16u __attribute__((vector_size(64), aligned(4)));
+using qcompile_native::exp16;
+using qcompile_native::load;
+using qcompile_native::store;
+using qcompile_native::v16;
 
 constexpr int kMr = 6;                  // rows per register tile
 constexpr int kNv = 4;                  // 16-float vectors per tile row
@@ -43,8 +46,6 @@ constexpr int64_t kPrefetchRows = 16;   // weight rows prefetched ahead within a
 constexpr int64_t kSlabFloats = 65536;  // k block: kc = kSlabFloats / Nout (>= 16) weight rows (256 KiB) per slab
 constexpr int64_t kRowChunk = 8 * kMr;  // rows per work item
 
-inline v16 load(const float* p) { return *reinterpret_cast<const v16u*>(p); }
-inline void store(float* p, v16 v) { *reinterpret_cast<v16u*>(p) = v; }
 
 // out[m, 0:16*NV] (+)= x[m, 0:k] · w[0:k, 0:16*NV] for m < MR.
 template <int MR, int NV>
@@ -133,32 +134,6 @@ void product(const Job& j, const Item& it, float* out, int64_t ldo) {
   }
 }
 
-typedef int32_t v16i __attribute__((vector_size(64)));
-
-// e^x for 16 lanes: x = n·ln2 + r with |r| ≤ ln2/2, e^r by Cephes' degree-6 polynomial, 2^n through the exponent
-// bits; ≤ 2 ulp over the clamped range (silu only needs e^-g to f32 accuracy). A scalar std::exp per element made
-// the epilogue cost as much as the matmul at 512 tokens.
-inline v16 exp16(v16 x) {
-  const v16 hi = v16{} + 88.3762626647949f, lo = v16{} - 87.3365447504f;
-  x = x > hi ? hi : x;
-  x = x < lo ? lo : x;
-  const v16 fx = x * 1.44269504088896341f + 0.5f;
-  const v16i t = __builtin_convertvector(fx, v16i);          // toward zero
-  const v16i n = t + (__builtin_convertvector(t, v16) > fx);  // floor: a true lane compares as -1
-  const v16 nf = __builtin_convertvector(n, v16);
-  const v16 r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
-  v16 p = v16{} + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const v16i bits = (n + 127) << 23;
-  v16 scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
 
 void run_item(const Job& j, const Item& it) {
   if (!j.swiglu) {
