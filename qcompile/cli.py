@@ -114,7 +114,8 @@ def compile_cmd(checkpoint, passes_spec, output, report_path, dtype, page_size, 
 
 @cli.command("passes", context_settings=CONTEXT)
 def passes_cmd():
-    """List every registered pass: name, summary, whether `all` selects it, tolerance class, requirements."""
+    """List every registered pass: name, summary, whether `all` selects it, tolerance class, requirements, and what it
+    buys on the cpu target (or why `all` keeps it there)."""
     from qcompile.passes.registry import PASSES
 
     if not PASSES:
@@ -124,6 +125,8 @@ def passes_cmd():
     for p in PASSES.values():
         requires = ", ".join(p.requires) or "-"
         click.echo(f"{p.name:<26} {'yes' if p.in_all else 'no':<7} {p.tolerance:<14} {requires:<24} {p.summary}")
+        if p.cpu_note:
+            click.echo(f"{'':<26} on cpu: {p.cpu_note}")
 
 
 @cli.command("reproduce", context_settings=CONTEXT)

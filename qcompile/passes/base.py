@@ -60,6 +60,7 @@ class Pass:
     lossy_bound: float | None = None  # relative bound, lossy passes only
     drift_steps: int = 0  # decode steps of the drift check, lossy passes only
     min_agreement: float | None = None  # lossy passes: least top-1 agreement with the reference over the drift decode
+    cpu_note: str = ""  # what it buys on the cpu target, or why `all` keeps it there (shown by `qcompile passes`)
 
     def __attrs_post_init__(self):
         if self.tolerance == "lossy" and self.lossy_bound is None:

@@ -79,4 +79,6 @@ GDN_CONV_FUSION = Pass(
     run=run,
     tolerance="reassociating",
     requires=("Gated DeltaNet layers",),
+    cpu_note="1.4-1.9x the unfused ops at B=1-8 decode and multi-sequence prefill, equal at B=32 decode, 0.6x for "
+             "one long prefill (4 work items); kept for TPU: state in VMEM, prefill chunks on the MXU",
 )

@@ -42,6 +42,7 @@ class PassRecord:
     seconds: float = 0.0
     check: dict | None = None  # CheckResult.to_json() when a check ran
     check_seconds: float = 0.0
+    note: str = ""  # the pass's cpu_note when the target is cpu: what it buys there, or why `all` keeps it
 
     def line(self) -> str:
         """One human-readable line: status, what changed, max error, time."""
@@ -201,7 +202,8 @@ def run_pipeline(graph: Graph, passes: list[Pass], ctx: PassContext = PassContex
                     check_seconds = time.perf_counter() - started
                 budget += pass_.bound(graph.meta["dtype"])
             record = PassRecord(pass_.name, "applied", result.changed, dict(result.stats), "", seconds,
-                                check.to_json() if check else None, check_seconds)
+                                check.to_json() if check else None, check_seconds,
+                                pass_.cpu_note if ctx.target == "cpu" else "")
             if check is not None and not check.ok:
                 record = attrs.evolve(record, status="failed", reason=check.reason)
                 if on_record:

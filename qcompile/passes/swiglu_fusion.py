@@ -62,4 +62,6 @@ SWIGLU_FUSION = Pass(
     run=run,
     tolerance="reassociating",
     requires=("SwiGLU MLPs",),
+    cpu_note="equal to the unfused matmuls within noise (a weight-bandwidth-bound step reads the same bytes); kept "
+             "for TPU, where the Pallas kernel reads the routed rows once for gate and up",
 )
