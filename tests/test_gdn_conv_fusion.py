@@ -180,6 +180,7 @@ def gdn_oracle(x, a, b, conv_state, conv_w, a_log, dt_bias, state, query_start, 
     """spec/model.md §3.5 b–g in float64, token by token, from scratch (not the jnp reference)."""
     x, a, b, w = (np.asarray(t, np.float64) for t in (x, a, b, conv_w))
     conv_state, state = np.asarray(conv_state, np.float64).copy(), np.asarray(state, np.float64).copy()
+    stored = conv_state.copy()  # every sequence's conv history is its slot's as stored before the step
     num_tokens, channels = x.shape
     num_slots, hv, dk, dv = state.shape
     width = conv_state.shape[2]
@@ -191,7 +192,7 @@ def gdn_oracle(x, a, b, conv_state, conv_w, a_log, dt_bias, state, query_start, 
         if t1 <= t0:
             continue
         real = 0 <= slot < num_slots
-        history = conv_state[min(max(slot, 0), num_slots - 1)].T.copy()  # [K-1, C] oldest first
+        history = stored[min(max(slot, 0), num_slots - 1)].T.copy()  # [K-1, C] oldest first
         s = state[slot].copy() if real else np.zeros((hv, dk, dv))
         for t in range(t0, t1):
             window = np.concatenate([history, x[t:t + 1]])  # [K, C]
@@ -235,6 +236,10 @@ CASES = [  # lengths, slots (S = 5; 7 is out of range), hk, hv, dk, dv, taps, pa
     ((1, 1, 1), (2, 7, 3), 1, 3, 4, 5, 4, 5),  # decode with an out-of-range slot and padding rows
     ((2, 1), (1, 0), 2, 2, 16, 8, 2, 0),  # K = 2, ratio 1, a sequence shorter than the window
     ((12,), (4,), 1, 2, 8, 8, 3, 4),  # one prefill, K = 3
+    # Slot 5 is out of range and clamps onto slot 4, which the first sequence updates in the same call: it must start
+    # from slot 4's conv history as stored before the call (found by the random shapes below: the native kernel
+    # read it while another thread rewrote it).
+    ((9, 3, 3, 0), (4, 0, 5, 2), 2, 4, 8, 8, 2, 2),
 ]
 
 

@@ -147,6 +147,21 @@ def test_compare_refuses_vacuous_and_non_finite_results():
     assert close.ok and 0 < close.max_error < 1e-5
 
 
+def test_compare_checks_token_ids_as_tokens_forgiving_only_near_ties():
+    logits = np.array([[5.0, 1.0, 0.0], [2.0, 2.0 - 1e-7, 0.0], [0.0, 1.0, 3.0]], np.float32)
+    ref = {"logits": logits, "next_tokens": np.array([0, 0, 2], np.int32)}
+    # Row 1 is a near-tie (tokens 0 and 1 within 1e-7 of each other), so flipping it passes.
+    tie = compare(ref, {"logits": logits, "next_tokens": np.array([0, 1, 2], np.int32)}, 1e-5)
+    assert tie.ok and tie.errors["next_tokens"] == 0.0 and tie.max_error == 0.0
+    # Token 1 instead of 0 in row 0 is numerically "close" (ids 0 and 1) but is a different token: it fails.
+    near_id = compare(ref, {"logits": logits, "next_tokens": np.array([1, 0, 2], np.int32)}, 1e-5)
+    assert not near_id.ok and "1 of 3 token ids differ" in near_id.reason
+    assert near_id.errors["next_tokens"] == 1 / 3
+    # An out-of-range id is a difference, never an index error.
+    wild = compare(ref, {"logits": logits, "next_tokens": np.array([0, 0, 99], np.int32)}, 1e-5)
+    assert not wild.ok
+
+
 def test_check_inputs_mix_prefill_decode_and_non_empty_caches(tiny):
     _, checker = tiny
     qs = checker.batch["query_start"]

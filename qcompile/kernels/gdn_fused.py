@@ -42,7 +42,6 @@ def split_heads(y, num_value_heads: int, key_dim: int, value_dim: int):
 def recurrence(q, k, v, g, beta, state, query_start, state_slots, mode: str, chunk: int, rule: str = "reference"):
     """The delta rule on the conv's heads, state in its own dtype (computed in f32); padding rows 0."""
     qf, kf, vf = normalized_heads(q, k, v)
-    s32 = state.astype(jnp.float32)
     if rule == "cpu" and mode == "auto":  # the native kernel takes a bf16 state as it is (no full-cache up-cast)
         out, new = gdn_recurrence_cpu(qf, kf, vf, g, beta, state, query_start, state_slots, chunk)
     else:
@@ -50,7 +49,7 @@ def recurrence(q, k, v, g, beta, state, query_start, state_slots, mode: str, chu
             mode = "recurrent" if q.shape[0] <= query_start.shape[0] - 1 else "chunked"
         run = gdn_recurrent_reference if mode == "recurrent" else gdn_chunked_reference
         args = (chunk,) if mode == "chunked" else ()
-        out, new = run(qf, kf, vf, g, beta, s32, query_start, state_slots, *args)
+        out, new = run(qf, kf, vf, g, beta, state.astype(jnp.float32), query_start, state_slots, *args)
     valid = token_layout(query_start, q.shape[0]).valid
     return (out * valid[:, None, None]).astype(v.dtype), new.astype(state.dtype)
 

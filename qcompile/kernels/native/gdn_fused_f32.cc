@@ -54,6 +54,7 @@ template <class StateT>
 struct Job {
   const float *x, *a, *b, *conv_wt, *a_log, *dt_bias;  // conv_wt: the conv weights transposed, [K][C]
   StateT *conv_state, *state;
+  const StateT* const* conv_read;  // per sequence: the conv history it starts from ([C][K-1]), as stored before the call
   float* out;
   const int32_t *query_start, *slots;
   int64_t t, c, k, s, hk, hv, dk, dv, nseq;
@@ -79,7 +80,6 @@ void run_item(const Job<StateT>& j, int64_t item) {
 
   const int64_t slot = j.slots[seq];
   const bool in_range = slot >= 0 && slot < j.s;
-  const int64_t conv_slot = std::clamp<int64_t>(slot, 0, j.s - 1);
   // window[tap][ch]: the K-1 previous pre-conv columns, oldest first; wt[tap][ch] the K taps' weights; xc, y: the
   // token's inputs and conv outputs. Per thread, reused across items and calls.
   static thread_local std::vector<float> window, wt, xc, y;
@@ -88,7 +88,7 @@ void run_item(const Job<StateT>& j, int64_t item) {
   for (int64_t m = 0; m < j.k; ++m) gather(j.conv_wt + m * j.c, wt.data() + m * nch);
   for (int r = 0; r < 3; ++r)
     for (int64_t i = 0; i < count[r]; ++i) {
-      const StateT* cs = j.conv_state + (conv_slot * j.c + first[r] + i) * width;
+      const StateT* cs = j.conv_read[seq] + (first[r] + i) * width;
       for (int64_t m = 0; m < width; ++m) window[m * nch + offset[r] + i] = load(cs + m);
     }
   // The value heads' states: used where they lie when f32, or when bf16 and the sequence has one token this step
@@ -182,14 +182,34 @@ ffi::Error GdnFused(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
   std::vector<float> conv_wt(conv_w.element_count());  // [C][K] -> [K][C], once per call (C·K floats)
   for (int64_t c = 0; c < wd[0]; ++c)
     for (int64_t m = 0; m < wd[1]; ++m) conv_wt[m * wd[0] + c] = conv_w.typed_data()[c * wd[1] + m];
+  std::vector<const StateT*> conv_read(sld[0]);
   Job<StateT> j{x.typed_data(), a.typed_data(), b.typed_data(), conv_wt.data(), a_log.typed_data(),
-                dt_bias.typed_data(), new_conv->typed_data(), new_state->typed_data(), out->typed_data(),
-                query_start.typed_data(), slots.typed_data(), xd[0], xd[1], wd[1], sd[0],
+                dt_bias.typed_data(), new_conv->typed_data(), new_state->typed_data(), conv_read.data(),
+                out->typed_data(), query_start.typed_data(), slots.typed_data(), xd[0], xd[1], wd[1], sd[0],
                 (xd[1] - sd[1] * sd[3]) / (2 * sd[2]), sd[1], sd[2], sd[3], sld[0]};
   if (j.conv_state != conv_state.typed_data())  // not aliased: start from the inputs
     std::memcpy(j.conv_state, conv_state.typed_data(), sizeof(StateT) * conv_state.element_count());
   if (j.state != state.typed_data())
     std::memcpy(j.state, state.typed_data(), sizeof(StateT) * state.element_count());
+  // A sequence with an out-of-range slot starts from the clamped slot's conv history as stored before this call
+  // (as the reference does) and stores nothing; that slot may belong to another sequence of the batch, which
+  // updates it in place meanwhile, so those histories are copied first (C·(K-1) values each; never in a served batch).
+  const int64_t block = j.c * (j.k - 1);
+  std::vector<StateT> snapshots;
+  for (int64_t seq = 0; seq < j.nseq; ++seq) {
+    const int64_t slot = j.slots[seq];
+    if (slot >= 0 && slot < j.s) {
+      conv_read[seq] = j.conv_state + slot * block;
+    } else if (j.query_start[seq + 1] > j.query_start[seq]) {
+      const StateT* from = j.conv_state + std::clamp<int64_t>(slot, 0, j.s - 1) * block;
+      snapshots.insert(snapshots.end(), from, from + block);
+    }
+  }
+  for (int64_t seq = 0, taken = 0; seq < j.nseq; ++seq) {  // pointers after the vector stopped growing
+    const int64_t slot = j.slots[seq];
+    if ((slot < 0 || slot >= j.s) && j.query_start[seq + 1] > j.query_start[seq])
+      conv_read[seq] = snapshots.data() + (taken++) * block;
+  }
   const int64_t valid = std::clamp<int64_t>(j.query_start[j.nseq], 0, j.t);
   std::fill(j.out + valid * j.hv * j.dv, j.out + j.t * j.hv * j.dv, 0.0f);  // padding rows
   qcompile_native::parallel_items(pool, j.nseq * j.hk, [j](int64_t item) { run_item(j, item); });
