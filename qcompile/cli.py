@@ -79,9 +79,14 @@ def cli():
               help="Artifact: largest token bucket; longer prompts are prefilled in chunks.")
 @click.option("--num-pages", type=int, metavar="N",
               help="Artifact: KV page pool size in pages (default: enough for --max-seqs full sequences).")
+@click.option("--weights", "weights_mode", type=click.Choice(["copy", "link", "none"]), default="copy",
+              show_default=True,
+              help="Artifact weights: copy (prepared weights streamed into the artifact), link (hard links to the "
+                   "checkpoint's files, else references by path and hash; weights made from them at load), none "
+                   "(executables and manifest only; run reads the checkpoint at its path).")
 def compile_cmd(checkpoint, passes_spec, output, report_path, dtype, page_size, target, verify, verify_layers, seed,
                 print_ir_after, print_ir_after_change, dump_dir, repro_dir, max_seqs, max_context, max_step_tokens,
-                num_pages):
+                num_pages, weights_mode):
     """Load CHECKPOINT, build and verify the step graph, run and check the selected passes, write the artifact."""
     from qcompile.ir.abi import CacheConfig
 
@@ -107,7 +112,7 @@ def compile_cmd(checkpoint, passes_spec, output, report_path, dtype, page_size, 
         checkpoint=checkpoint, passes=passes_spec, output=output, report=report_path, dtype=dtype,
         page_size=page_size, target=target, verify=verify, verify_layers=verify_layers, seed=seed,
         print_ir_after=tuple(print_ir_after), print_ir_after_change=print_ir_after_change, dump_dir=dump_dir,
-        repro_dir=repro_dir, cache=cache)
+        repro_dir=repro_dir, cache=cache, weights=weights_mode)
     report = compile_checkpoint(opts, emit=click.echo)
     click.echo(f"done in {report['compile_seconds']:.1f}s")
 
@@ -229,6 +234,8 @@ def run_cmd(checkpoint, prompt_ids, max_new_tokens, dtype, save_logits, ignore_e
         if dtype:
             raise UsageError("--dtype does not apply to an artifact: its dtype was fixed when it was compiled")
         artifact = load_artifact(checkpoint)
+        if artifact.weights_note:
+            click.echo(artifact.weights_note, err=True)
         eos_ids = tuple(artifact.config_json.get("eos_token_ids") or ())
         engine, vocab = artifact.engine(), int(artifact.config_json["vocab_size"])
         family, graph_dtype = artifact.config_json["family"], artifact.manifest.get("compute_dtype")
@@ -269,17 +276,30 @@ def run_cmd(checkpoint, prompt_ids, max_new_tokens, dtype, save_logits, ignore_e
 @cli.command("init-tiny", context_settings=CONTEXT)
 @click.argument("directory", type=click.Path(path_type=Path))
 @click.option("--family", type=click.Choice(["qwen3_5_moe", "qwen3_next"]), default="qwen3_5_moe", show_default=True)
-@click.option("--preset", type=click.Choice(["tiny", "bench"]), default="tiny", show_default=True,
-              help="tiny: ~0.8M parameters; bench: 514M parameters in the Qwen3.5 3:1 pattern (docs/bench_preset.md).")
+@click.option("--preset", type=click.Choice(["tiny", "bench", "qwen3.5-397b", "qwen3-next-80b"]), default="tiny",
+              show_default=True,
+              help="tiny: ~0.8M parameters; bench: 514M parameters in the Qwen3.5 3:1 pattern (docs/bench_preset.md); "
+                   "qwen3.5-397b, qwen3-next-80b: the published full-size shapes (with --sparse).")
 @click.option("--seed", default=0, show_default=True)
-@click.option("--dtype", type=click.Choice(["f32", "bf16"]), default="f32", show_default=True)
+@click.option("--dtype", type=click.Choice(["f32", "bf16"]), default=None, help="Weight dtype [default: f32; bf16 "
+              "with --sparse].")
+@click.option("--sparse", is_flag=True,
+              help="Header-only sharded checkpoint: real safetensors headers, data as file holes that read as zeros "
+                   "(full-size compile and memory tests without the disk space; not for numerics).")
 @click.option("--force", is_flag=True, help="Overwrite an existing checkpoint in DIRECTORY.")
-def init_tiny_cmd(directory, family, preset, seed, dtype, force):
+def init_tiny_cmd(directory, family, preset, seed, dtype, sparse, force):
     """Write a random Hugging Face-format checkpoint (config.json + model.safetensors) into DIRECTORY."""
-    from qcompile.frontend.tiny import write_tiny
+    from qcompile.frontend.tiny import full_config, write_sparse_checkpoint, write_tiny
 
-    if (directory / "model.safetensors").exists() and not force:
+    if ((directory / "model.safetensors").exists() or (directory / "model.safetensors.index.json").exists()) \
+            and not force:
         raise UsageError(f"{directory} already holds a checkpoint; pass --force to overwrite it")
+    if sparse:
+        dtype = dtype or "bf16"
+        write_sparse_checkpoint(directory, full_config(preset, family, dtype), dtype=dtype)
+        click.echo(f"wrote a sparse {family} ({preset}, {dtype}, zeros) to {directory}")
+        return
+    dtype = dtype or "f32"
     write_tiny(directory, family=family, preset=preset, seed=seed, dtype=dtype)
     click.echo(f"wrote {family} ({preset}, {dtype}, seed {seed}) to {directory}")
 

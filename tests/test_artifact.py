@@ -16,6 +16,7 @@ from qcompile.errors import CheckpointError, UsageError
 from qcompile.frontend.tiny import write_tiny
 from qcompile.compiler.export import write_artifact
 from qcompile.ir.abi import CacheConfig, bucket_shapes
+from qcompile.ir.ops.core import Param
 from qcompile.runtime.artifact import MANIFEST, ExportedProgram, is_artifact, load_artifact, sha256_file
 from qcompile.runtime.model import load_model
 
@@ -89,7 +90,10 @@ def test_manifest_contents(built):
     model, out, manifest = built
     on_disk = json.loads((out / MANIFEST).read_text())
     assert on_disk == manifest
-    assert manifest["format_version"] == 2
+    assert manifest["format_version"] == 3
+    weights = manifest["weights"]
+    assert weights["mode"] == "copy" and weights["source"] == "artifact"
+    assert weights["params"] == {n.op.name: str(n.op.type) for n in model.graph.find(Param)}
     assert manifest["qcompile_version"] == qcompile.__version__
     assert manifest["jax_version"] == jax.__version__
     assert manifest["jaxlib_version"] == jaxlib.__version__

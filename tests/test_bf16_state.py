@@ -4,6 +4,8 @@ comparison of caches across dtypes, and the state bytes it reports."""
 
 from __future__ import annotations
 
+import json
+
 import attrs
 import numpy as np
 import pytest
@@ -140,6 +142,27 @@ def test_a_lost_state_update_is_caught(model):
     broken = attrs.evolve(BF16_STATE, name="stale-state", run=_forgets_the_store)
     with pytest.raises(NumericsError, match="after pass stale-state"):
         run_pipeline(graph, [broken], PassContext(), checker=checker)
+
+
+def test_a_drift_failure_reproduces_on_the_rules_it_failed_on(model, tmp_path, monkeypatch):
+    """A lossy pass that passes the check batch but fails its drift decode (here: an agreement it cannot reach)
+    writes a reproducer that records the checker's target and the drift length; `reproduce` re-runs the drift
+    decode on those rules and still fails, instead of reporting "no longer fails" from the check batch alone."""
+    from qcompile.compiler.reproduce import reproduce
+    from qcompile.passes import registry
+    from qcompile.passes.manager import Reproducer
+
+    ckpt, graph, checker = model
+    strict = attrs.evolve(BF16_STATE, min_agreement=1.01)
+    repro = Reproducer(tmp_path, str(ckpt.path), {"dtype": graph.meta["dtype"], "meta": graph.meta})
+    with pytest.raises(NumericsError, match="greedy tokens agree"):
+        run_pipeline(graph, [strict], PassContext(), checker=checker, reproducer=repro)
+    (path,) = list(tmp_path.iterdir())
+    info = json.loads((path / "repro.json").read_text())
+    assert info["target"] == "cpu" and info["drift_steps"] > DRIFT_STEPS  # the prompt's last position, then the steps
+    monkeypatch.setattr(registry, "PASSES", {**PASSES, "bf16-state": strict})
+    ok, line = reproduce(path)
+    assert not ok and "greedy tokens agree" in line
 
 
 def test_compare_upcasts_across_dtypes_but_fails_a_changed_shape():

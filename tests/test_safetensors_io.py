@@ -235,25 +235,67 @@ def test_write_unsupported_dtype_leaves_nothing(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_write_failing_midway_leaves_old_file_and_no_temp(tmp_path, monkeypatch):
+def test_write_failing_midway_leaves_old_file_and_no_temp(tmp_path):
     path = tmp_path / "out.safetensors"
     write_safetensors(path, {"old": np.ones(2, np.float32)})
     before = path.read_bytes()
-    real = sio._write_tensor_data
     calls = []
 
-    def failing(f, array):
-        calls.append(1)
-        if len(calls) == 2:
+    def pieces(name):
+        calls.append(name)
+        if name == "b":
             raise OSError("disk full")
-        real(f, array)
+        yield np.ones(3, np.float32)
 
-    monkeypatch.setattr(sio, "_write_tensor_data", failing)
+    specs = {"a": (np.dtype(np.float32), (3,)), "b": (np.dtype(np.float32), (3,))}
     with pytest.raises(OSError, match="disk full"):
-        write_safetensors(path, {"a": np.ones(3, np.float32), "b": np.ones(3, np.float32)})
-    assert len(calls) == 2
+        sio.stream_safetensors(path, specs, pieces)
+    assert calls == ["a", "b"]
     assert [p.name for p in tmp_path.iterdir()] == ["out.safetensors"]
     assert path.read_bytes() == before
+
+
+def test_streamed_write_hashes_what_it_wrote_and_checks_each_tensors_pieces(tmp_path):
+    """Pieces of a tensor (slabs along axis 0) write the same bytes as the whole array; the returned SHA-256 and
+    size are the file's; pieces of the wrong dtype or total size are refused before the file appears."""
+    import hashlib
+
+    big = np.arange(24, dtype=np.float32).reshape(6, 4)
+    specs = {"w": (big.dtype, big.shape), "b": (np.dtype(np.int32), (2,))}
+    parts = {"w": lambda: (big[0:4], big[4:6]), "b": lambda: (np.array([7, 8], np.int32),)}
+    written = sio.stream_safetensors(tmp_path / "s.safetensors", specs, lambda n: parts[n]())
+    whole = write_safetensors(tmp_path / "w.safetensors", {"w": big, "b": np.array([7, 8], np.int32)})
+    data = (tmp_path / "s.safetensors").read_bytes()
+    assert data == (tmp_path / "w.safetensors").read_bytes()
+    assert written == whole and written.sha256 == hashlib.sha256(data).hexdigest() and written.bytes == len(data)
+    np.testing.assert_array_equal(SafetensorsFile(tmp_path / "s.safetensors").read("w"), big)
+    with pytest.raises(ValueError, match="expected 96"):
+        sio.stream_safetensors(tmp_path / "short.safetensors", specs, lambda n: (big[:1],) if n == "w" else ())
+    with pytest.raises(TypeError, match="dtype"):
+        sio.stream_safetensors(tmp_path / "f64.safetensors", specs, lambda n: (big.astype(np.float64),))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s.safetensors", "w.safetensors"]
+
+
+def test_released_pages_leave_the_resident_set_and_reads_still_work(tmp_path):
+    """`release` drops a tensor's mapped pages from this process (so streaming a checkpoint through one map does not
+    grow the resident set with every tensor read) and the tensor reads back unchanged afterwards."""
+    data = np.random.default_rng(0).standard_normal((64, 1 << 14)).astype(np.float32)  # 4 MiB
+    write_safetensors(tmp_path / "m.safetensors", {"x": data})
+    f = SafetensorsFile(tmp_path / "m.safetensors")
+
+    def mapped_kib() -> int:
+        for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
+            if line.startswith("Rss:"):
+                return int(line.split()[1])
+        raise AssertionError("no Rss line")
+
+    if not Path("/proc/self/smaps_rollup").exists():
+        pytest.skip("needs Linux /proc/self/smaps_rollup to see the resident set")
+    float(f.read("x").sum())  # touch every page
+    touched = mapped_kib()
+    f.release("x")
+    assert touched - mapped_kib() >= 3 * 1024  # ~4 MiB of mapped pages gone
+    np.testing.assert_array_equal(f.read("x"), data)
 
 
 def test_write_rejects_bad_metadata_and_names(tmp_path):

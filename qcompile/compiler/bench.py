@@ -142,6 +142,8 @@ def run_bench(opts: BenchOptions, emit=print) -> dict:
         from qcompile.runtime.artifact import load_artifact
 
         art = load_artifact(opts.source)
+        if art.weights_note:
+            print(art.weights_note, file=sys.stderr)
         graph = art.graph()
         builds = [Build(str(art.manifest.get("pipeline", "artifact")), [], graph, art.manifest.get("equivalence"))]
         params, vocab, dtype = art.params, int(art.config_json["vocab_size"]), graph.meta["dtype"]

@@ -150,6 +150,8 @@ def run_check(opts: CheckOptions, emit=print) -> dict:
                              "to compare it with")
         log(f"loading the artifact {opts.source}")
         artifact = load_artifact(opts.source)
+        if artifact.weights_note:
+            print(artifact.weights_note, file=sys.stderr)
         selected = (artifact.manifest.get("passes") or {}).get("selected")
         passes = ", ".join(selected) or "none" if selected is not None else artifact.manifest.get("pipeline", "?")
         candidate_label = f"artifact {opts.source} (passes {passes})"

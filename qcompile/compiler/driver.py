@@ -51,6 +51,7 @@ class CompileOptions:
     dump_dir: Path | None = None
     repro_dir: Path | None = None
     cache: CacheConfig = CacheConfig()
+    weights: str = "copy"  # copy | link | none (qcompile/runtime/artifact.py)
 
 
 def memory_bytes() -> int:
@@ -76,6 +77,10 @@ def compile_checkpoint(opts: CompileOptions, emit: Callable[[str], None] = print
     ckpt.warn_unknown()
     graph = build_graph(ckpt, opts.dtype, opts.page_size)
     emit(_model_line(ckpt, graph))
+    if opts.output is not None:  # before minutes of passes and checks: the pipeline keeps the weights' bytes
+        from qcompile.compiler.export import check_free_space, weight_bytes
+
+        check_free_space(opts.output, weight_bytes(graph) if opts.weights == "copy" else 0, opts.weights)
     ctx = PassContext(target=opts.target, num_devices=1)
     instruments = Instruments(opts.print_ir_after, opts.print_ir_after_change, opts.dump_dir,
                               emit=lambda text: print(text, file=sys.stderr))
@@ -83,19 +88,20 @@ def compile_checkpoint(opts: CompileOptions, emit: Callable[[str], None] = print
     # Checked when passes are selected, or when the target lowers any op of this graph with a rule of its own.
     lowering_checked = bool(target_rules_used(graph, rules))
     checked = opts.verify != "none" and (bool(selected) or lowering_checked)
-    layers = _check_slice(ckpt, opts, warn) if checked else None
-    check_graph = graph if layers is None else build_graph(ckpt, opts.dtype, opts.page_size, layers=layers)
+    layers, experts = _check_scope(ckpt, graph, opts, warn) if checked else (None, None)
+    check_ckpt = ckpt if experts is None else ckpt.with_experts(experts)
+    check_graph = graph if layers is None else build_graph(check_ckpt, opts.dtype, opts.page_size, layers=layers)
     checker = None
     params = None
     if checked:
-        params = load_params(ckpt, check_graph)
+        params = load_params(check_ckpt, check_graph)
         if sys.stderr.isatty():
             print("qcompile: preparing numerics check inputs (warm-up step of the unoptimized graph)...",
                   file=sys.stderr, flush=True)
         checker = EquivalenceChecker(check_graph, params, seed=opts.seed,
                                      target=rules if lowering_checked else "reference")
     settings = {"dtype": graph.meta["dtype"], "page_size": opts.page_size, "verify_layers": layers,
-                "meta": check_graph.meta}
+                "verify_experts": experts, "meta": check_graph.meta}
     reproducer = Reproducer(opts.repro_dir or Path("qcompile-repro"), str(opts.checkpoint), settings)
     emit(f"passes ({spec_of(selected)}):" if selected else "passes: none selected"
          + ("" if parse_spec("all") else " (no passes are registered yet)"))
@@ -119,18 +125,20 @@ def compile_checkpoint(opts: CompileOptions, emit: Callable[[str], None] = print
         what = (f"{'optimized' if selected else 'unoptimized'} ({rules} rules) vs reference" if lowering_checked
                 else "optimized vs unoptimized")
         emit(f"  {what:<26} {'ok' if fc.ok else 'FAILED':<9} max error {fc.max_error:.2e} "
-             f"(bound {fc.bound:.0e})" + (f" on layers {list(layers)}" if layers is not None else ""))
+             f"(bound {fc.bound:.0e})" + (f" on layers {list(layers)}" if layers is not None else "")
+             + (f" with experts 0..{experts - 1}" if experts is not None else ""))
     report = {
         "qcompile_version": __version__, "checkpoint": str(opts.checkpoint), "target": opts.target, "mesh": None,
         "passes": {"spec": opts.passes, "selected": [p.name for p in selected], "verify": opts.verify,
-                   "verify_layers": list(layers) if layers is not None else None, "seed": opts.seed,
+                   "verify_layers": list(layers) if layers is not None else None, "verify_experts": experts,
+                   "seed": opts.seed,
                    **result.to_json()},
         **summarize(ckpt, final_graph),
         "prepared_weights": prepared_names(final_graph),
     }
     report["compile_seconds"] = round(time.perf_counter() - started, 3)
     if opts.output is not None:
-        _write_output(opts, ckpt, final_graph, params if layers is None else None, report, emit)
+        _write_output(opts, ckpt, final_graph, params if layers is None and experts is None else None, report, emit)
         report["compile_seconds"] = round(time.perf_counter() - started, 3)
     text = _json(report)
     if opts.output is not None:
@@ -150,34 +158,73 @@ def _model_line(ckpt: Checkpoint, graph) -> str:
             f"graph of {len(graph)} ops verified")
 
 
-def _check_slice(ckpt: Checkpoint, opts: CompileOptions, warn) -> tuple[int, ...] | None:
-    if opts.verify == "none":
-        return None
-    if opts.verify_layers is not None:
-        if opts.verify_layers < 1:
-            raise UsageError("--verify-layers must be at least 1")
-        return select_layers(ckpt.config, opts.verify_layers)
-    weight_bytes = sum(ckpt.bytes_by_dtype().values())
-    if weight_bytes * (2 if (opts.dtype or ckpt.config.dtype) == "f32" else 1) > memory_bytes() // 3:
-        layers = select_layers(ckpt.config, 1)
-        warn(f"qcompile: note: the weights ({weight_bytes / 2**30:.1f} GiB) are too large to check whole on this "
-             f"machine; checking numerics on layers {list(layers)} (set --verify-layers N to choose)")
-        return layers
-    return None
+def _check_scope(ckpt: Checkpoint, graph, opts: CompileOptions, warn) -> tuple[tuple[int, ...] | None, int | None]:
+    """What the numerics checks run on: (layers, routed experts), None meaning all of them.
+
+    The whole model when its weights fit in a third of memory (the checker holds the weights, the reference's and
+    the candidates' outputs and XLA's temporaries); else a slice of `--verify-layers` (default 1) real layers of each
+    type; and when even that slice does not fit (one Qwen3.5-397B MoE layer is ~13 GB in bf16), the slice restricted
+    to the first N routed experts of each MoE layer with the router restricted to them (Checkpoint.with_experts: the
+    same layers and widths, N chosen to fit, at least top-k). When not even top-k experts fit: exit 2, saying what
+    memory it needs, before anything is read."""
+    from qcompile.compiler.export import weight_bytes
+
+    budget = memory_bytes() // 3
+    if opts.verify_layers is None and weight_bytes(graph) <= budget:
+        return None, None
+    if opts.verify_layers is not None and opts.verify_layers < 1:
+        raise UsageError("--verify-layers must be at least 1")
+    layers = select_layers(ckpt.config, opts.verify_layers or 1)
+
+    def slice_bytes(experts: int) -> int:
+        restricted = ckpt if experts == ckpt.config.num_experts else ckpt.with_experts(experts)
+        return weight_bytes(build_graph(restricted, opts.dtype, opts.page_size, layers=layers))
+
+    whole = weight_bytes(graph)
+    cfg = ckpt.config
+    full_slice = slice_bytes(cfg.num_experts)
+    if full_slice <= budget:
+        if opts.verify_layers is None:
+            warn(f"qcompile: note: the weights ({whole / 2**30:.1f} GiB) are too large to check whole on this "
+                 f"machine; checking numerics on layers {list(layers)} (set --verify-layers N to choose)")
+        return layers, None
+    experts = None
+    if any(cfg.moe_layers):
+        fixed = slice_bytes(cfg.top_k)
+        per_expert = (full_slice - fixed) / max(1, cfg.num_experts - cfg.top_k)
+        if fixed <= budget:
+            experts = min(cfg.num_experts - 1, cfg.top_k + int((budget - fixed) // max(per_expert, 1)))
+    if experts is None:
+        least = slice_bytes(cfg.top_k) if any(cfg.moe_layers) else full_slice
+        raise UsageError(f"checking numerics needs about {3 * least / 2**30:.1f} GiB of memory even on layers "
+                         f"{list(layers)} with {cfg.top_k} experts; this machine has {memory_bytes() / 2**30:.1f} GiB "
+                         "— compile with --verify none, or on a machine with more memory")
+    warn(f"qcompile: note: even layers {list(layers)} ({full_slice / 2**30:.1f} GiB) are too large to check on this "
+         f"machine; checking numerics on them with routed experts 0..{experts - 1} of {cfg.num_experts} (the router "
+         f"restricted to them, {slice_bytes(experts) / 2**30:.1f} GiB)")
+    return layers, experts
 
 
 def _write_output(opts: CompileOptions, ckpt: Checkpoint, graph, params, report: dict, emit) -> None:
-    from qcompile.compiler.export import write_artifact
+    from qcompile.compiler.export import CheckpointWeights, write_artifact
 
-    # Prepared weights are computed here, once; plain ones already read for the check are reused.
-    params = load_params(ckpt, graph, loaded=params)
+    # The weights stream from the checkpoint one slab at a time (prepared ones computed per slab); arrays already
+    # made for the numerics check are reused. Nothing holds the whole model in memory.
     prepared = graph.meta.get("prepared", {})
     extra = {"pipeline": report["passes"]["spec"], "passes": report["passes"],
              "equivalence": report["passes"]["final_check"], "compute_dtype": graph.meta["dtype"],
              "model": {k: report[k] for k in ("family", "layers", "parameters")}, "prepared_weights": prepared}
-    write_artifact(opts.output, graph, params, config_json=ckpt.config.to_json(), cache=opts.cache,
-                   target=opts.target, extra=extra)
-    emit(f"wrote artifact {opts.output} (target {opts.target}): executables, weights, manifest.json, graph.qir, report.json")
+    manifest = write_artifact(opts.output, graph, CheckpointWeights(ckpt, graph, params),
+                              config_json=ckpt.config.to_json(), cache=opts.cache, target=opts.target, extra=extra,
+                              mode=opts.weights)
+    weights = manifest["weights"]
+    report["artifact"] = {"weights": weights["mode"], "weights_source": weights["source"],
+                          "bytes": sum(f["bytes"] for f in manifest["files"].values()),
+                          "export_seconds": manifest["export_seconds"], "weights_seconds": manifest["weights_seconds"]}
+    where = {"artifact": "weights copied", "linked": "weights hard-linked from the checkpoint",
+             "checkpoint": f"weights read at load from {ckpt.path}"}[weights["source"]]
+    emit(f"wrote artifact {opts.output} (target {opts.target}, {where}): executables, manifest.json, graph.qir, "
+         "report.json")
 
 
 def _json(report: dict) -> str:

@@ -10,6 +10,7 @@ opened and executed only when the weight is needed. Opening a 400 GB checkpoint 
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -30,7 +31,8 @@ class TensorRef:
     """How to build one canonical parameter from checkpoint tensors.
 
     kind: "tensor" (one tensor, reshaped to `shape`), "rows" (one tensor, `rows` taken along `axis`),
-    "stack" (several tensors stacked on a new axis 0).
+    "stack" (several tensors stacked on a new axis 0). `leading`: only the source's first `leading` entries along
+    axis 0 are used (a checkpoint restricted to some of its experts, `Checkpoint.with_experts`).
     """
 
     kind: str
@@ -39,6 +41,7 @@ class TensorRef:
     source_shape: tuple[int, ...]
     axis: int = 0
     rows: tuple[int, ...] | None = None
+    leading: int | None = None
 
 
 def _direct(name: str, shape, source_shape=None) -> TensorRef:
@@ -184,17 +187,87 @@ class Checkpoint:
         unknown = [n for n in leftover if not n.startswith(IGNORABLE_PREFIXES)]
         return cls(Path(path), config, store, params, ignored, unknown)
 
+    #: Files beside config.json that a linked artifact keeps with the weights (tokenizer for text prompts).
+    COMPANIONS = ("generation_config.json", "tokenizer.json", "tokenizer_config.json")
+
+    def files(self) -> dict[str, Path]:
+        """Every file this checkpoint is read from — config.json, the index if any, each shard — plus the
+        tokenizer and generation config when present, by path relative to config.json's directory."""
+        config_path, _ = resolve_paths(self.path)
+        base = config_path.parent
+        paths = [config_path, *(f.path for f in self.store.files)]
+        if self.store.source.name.endswith(".index.json"):
+            paths.append(self.store.source)
+        paths += [base / name for name in self.COMPANIONS if (base / name).is_file()]
+        return {str(Path(os.path.relpath(p, base))): Path(p) for p in dict.fromkeys(paths)}
+
+    def entry(self) -> str:
+        """What to open, relative to config.json's directory: "." for a directory, else the file given."""
+        config_path, _ = resolve_paths(self.path)
+        return "." if Path(self.path).is_dir() else os.path.relpath(self.path, config_path.parent)
+
     def source_dtypes(self, name: str) -> set[str]:
         return {FLOAT_DTYPES[self.store.info(s).dtype] for s in self.params[name].sources}
+
+    def _source(self, ref: TensorRef) -> np.ndarray:
+        source = np.asarray(self.store.read(ref.sources[0]))
+        return source if ref.leading is None else source[:ref.leading]
 
     def load(self, name: str) -> np.ndarray:
         """Materialise one canonical parameter (reads only the tensors it is made of)."""
         ref = self.params[name]
         if ref.kind == "tensor":
-            return np.asarray(self.store.read(ref.sources[0])).reshape(ref.shape)
+            return self._source(ref).reshape(ref.shape)
         if ref.kind == "rows":
-            return np.take(self.store.read(ref.sources[0]), np.asarray(ref.rows), axis=ref.axis)
+            return np.take(self._source(ref), np.asarray(ref.rows), axis=ref.axis)
         return np.stack([self.store.read(s) for s in ref.sources])
+
+    def load_rows(self, name: str, start: int, stop: int) -> np.ndarray:
+        """Rows [start, stop) along axis 0 of one canonical parameter, reading only the source bytes they need (a
+        zero-copy view where the source layout allows)."""
+        ref = self.params[name]
+        if ref.kind == "tensor":
+            return self._source(ref).reshape(ref.shape)[start:stop]
+        if ref.kind == "rows":
+            source = self._source(ref)
+            if ref.axis == 0:
+                return np.take(source, np.asarray(ref.rows[start:stop], dtype=np.int64), axis=0)
+            return np.take(source[start:stop], np.asarray(ref.rows), axis=ref.axis)
+        return np.stack([self.store.read(s) for s in ref.sources[start:stop]])
+
+    def release_rows(self, name: str, start: int, stop: int) -> None:
+        """Drop this process's mapped pages behind rows [start, stop) of a canonical parameter (load_rows' bytes);
+        see TensorStore.release. Streaming a checkpoint larger than memory keeps the resident set bounded this way."""
+        ref = self.params[name]
+        if ref.kind == "stack":
+            for source in ref.sources[start:stop]:
+                self.store.release(source)
+            return
+        info = self.store.info(ref.sources[0])
+        if ref.kind == "rows" and ref.axis == 0 or not ref.source_shape:
+            self.store.release(ref.sources[0])
+            return
+        row_bytes = info.nbytes // max(1, ref.source_shape[0])
+        self.store.release(ref.sources[0], start * row_bytes, stop * row_bytes)
+
+    def with_experts(self, count: int) -> "Checkpoint":
+        """This checkpoint restricted to its first `count` routed experts in every MoE layer, the router's rows
+        restricted to them (so it routes top-k among those `count`): a smaller model of the same layers and widths,
+        for numerics checks of a slice that would not fit in memory with every expert. Nothing is read."""
+        cfg = self.config
+        if not 0 < count <= cfg.num_experts:
+            raise ValueError(f"expert count {count} outside 1..{cfg.num_experts}")
+        params = {}
+        for name, ref in self.params.items():
+            routed = ".mlp.experts." in f".{name}" or name.endswith("mlp.gate")
+            if not routed or count == cfg.num_experts:
+                params[name] = ref
+            elif ref.kind == "stack":
+                params[name] = attrs.evolve(ref, sources=ref.sources[:count], shape=(count, *ref.shape[1:]))
+            else:
+                params[name] = attrs.evolve(ref, shape=(count, *ref.shape[1:]), leading=count)
+        config = attrs.evolve(cfg, num_experts=count, top_k=min(cfg.top_k, count))
+        return attrs.evolve(self, config=config, params=params)
 
     def bytes_by_dtype(self) -> dict[str, int]:
         totals: dict[str, int] = {}

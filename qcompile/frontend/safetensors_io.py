@@ -19,7 +19,8 @@ Why our own instead of the ``safetensors`` package:
 :class:`TensorStore` joins a whole checkpoint -- a single file, or a
 ``model.safetensors.index.json`` plus its shards -- behind one name -> tensor interface and checks
 that the index and the shards agree. :func:`write_safetensors` writes a file atomically (temp file
-plus ``os.replace``), streaming one tensor at a time.
+plus ``os.replace``); :func:`stream_safetensors` writes tensors produced piece by piece, hashing as it goes, so a
+400 GB file is never whole in memory.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import math
 import mmap
 import os
 import secrets
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +49,7 @@ __all__ = [
     "SafetensorsFile",
     "TensorStore",
     "load_index",
+    "stream_safetensors",
     "write_safetensors",
 ]
 
@@ -420,6 +422,21 @@ class SafetensorsFile:
             self._mmap = mapped
         return self._mmap
 
+    def release(self, name: str, start: int = 0, stop: int | None = None) -> None:
+        """Drop this process's mapped pages of tensor ``name`` — or of its bytes [start, stop) — (the data stays in
+        the page cache and a later :meth:`read` maps it again). Streaming a checkpoint larger than memory through one
+        long-lived map would otherwise count every page ever touched in the resident set."""
+        info = self.tensors[name]
+        end = info.end if stop is None else min(info.end, info.begin + stop)
+        if self._mmap is None or end <= info.begin + start:
+            return
+        page = mmap.PAGESIZE
+        begin = (info.begin + start) // page * page
+        try:
+            self._mmap.madvise(mmap.MADV_DONTNEED, begin, end - begin)
+        except (AttributeError, OSError, ValueError):  # no madvise here: pages are only reclaimed under pressure
+            pass
+
     def read(self, name: str) -> np.ndarray:
         """A zero-copy, read-only view of tensor ``name`` (``KeyError`` if absent)."""
         info = self.tensors[name]
@@ -452,72 +469,104 @@ def _dtype_code(name: str, dtype: np.dtype) -> str:
     )
 
 
-def _plan(
-    tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str] | None
-) -> tuple[bytes, list[tuple[str, np.ndarray]]]:
-    """Validate the inputs and build the padded header; return it and the arrays in file order."""
+def _header(specs: Mapping[str, tuple[np.dtype, tuple[int, ...]]], metadata: Mapping[str, str] | None) -> bytes:
+    """The padded JSON header for tensors of the given dtypes and shapes, laid out in mapping order."""
     header: dict[str, Any] = {}
     if metadata is not None:
         bad = [k for k, v in metadata.items() if not (isinstance(k, str) and isinstance(v, str))]
         if bad:
             raise TypeError(f"metadata must map str to str; bad entry {bad[0]!r}")
         header[_METADATA_KEY] = dict(metadata)
-    arrays: list[tuple[str, np.ndarray]] = []
     offset = 0
-    for name, value in tensors.items():
+    for name, (dtype, shape) in specs.items():
         if not isinstance(name, str) or not name or name == _METADATA_KEY:
             raise ValueError(f"invalid tensor name {name!r}")
-        array = np.asarray(value)
-        code = _dtype_code(name, array.dtype)
-        header[name] = {
-            "dtype": code,
-            "shape": list(array.shape),
-            "data_offsets": [offset, offset + array.nbytes],
-        }
-        offset += array.nbytes
-        arrays.append((name, array))
+        nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+        header[name] = {"dtype": _dtype_code(name, np.dtype(dtype)), "shape": list(shape),
+                        "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
     raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
-    raw += b" " * (-len(raw) % _HEADER_ALIGN)
-    return raw, arrays
+    return raw + b" " * (-len(raw) % _HEADER_ALIGN)
 
 
-def _write_tensor_data(f: Any, array: np.ndarray) -> None:
-    """Write one array's bytes (C order, little-endian) to ``f``."""
-    if array.size == 0:
-        return
-    code = _dtype_code("", array.dtype)
-    contiguous = np.ascontiguousarray(array, dtype=DTYPES[code])
-    f.write(contiguous.reshape(-1).view(np.uint8).data)
+@attrs.frozen
+class Written:
+    """What :func:`stream_safetensors` wrote: the file's size and SHA-256, computed while writing."""
+
+    bytes: int
+    sha256: str
 
 
-def write_safetensors(
+def stream_safetensors(
     path: str | os.PathLike[str],
-    tensors: Mapping[str, np.ndarray],
+    specs: Mapping[str, tuple[np.dtype, tuple[int, ...]]],
+    chunks: Callable[[str], Iterable[np.ndarray]],
     metadata: Mapping[str, str] | None = None,
-) -> None:
-    """Write ``tensors`` (in their mapping order) to a safetensors file at ``path``, atomically.
+    on_bytes: Callable[[int], None] | None = None,
+) -> Written:
+    """Write a safetensors file whose tensors (name -> (dtype, shape), in file order) are produced one at a time.
 
-    The header is JSON padded with spaces to a multiple of 8 bytes; the data follows contiguously
-    in header order, little-endian. Tensors are streamed to a temporary file in the same directory
-    one at a time, which then replaces ``path``; on any failure the temporary file is removed and
-    ``path`` is left as it was. Unsupported dtypes raise ``TypeError``.
+    ``chunks(name)`` yields the tensor's data as consecutive C-order pieces (e.g. slabs along axis 0) that together
+    hold exactly its elements, so no tensor need ever be whole in memory. The file is hashed as it is written
+    (no second read) and written to a temporary file that atomically replaces ``path``; on any failure — including a
+    piece of the wrong dtype or a wrong total size — the temporary file is removed and ``path`` is left as it was.
+    ``on_bytes`` is called with each piece's size (progress).
     """
+    import hashlib
+
     target = Path(path)
-    header, arrays = _plan(tensors, metadata)
+    header = _header(specs, metadata)
+    digest = hashlib.sha256()
     tmp = target.with_name(f".{target.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(len(header).to_bytes(8, "little"))
-            f.write(header)
-            for _name, array in arrays:
-                _write_tensor_data(f, array)
+            for piece in (len(header).to_bytes(8, "little"), header):
+                f.write(piece)
+                digest.update(piece)
+            total = 8 + len(header)
+            for name, (dtype, shape) in specs.items():
+                want = math.prod(shape) * np.dtype(dtype).itemsize
+                got = 0
+                for chunk in chunks(name):
+                    chunk = np.asarray(chunk)
+                    if chunk.dtype != np.dtype(dtype):
+                        raise TypeError(f"tensor {name!r}: a piece of dtype {chunk.dtype}, expected {np.dtype(dtype)}")
+                    data = np.ascontiguousarray(chunk).reshape(-1).view(np.uint8).data
+                    f.write(data)
+                    digest.update(data)
+                    got += chunk.nbytes
+                    if on_bytes is not None:
+                        on_bytes(chunk.nbytes)
+                if got != want:
+                    raise ValueError(f"tensor {name!r}: its pieces hold {got} bytes, expected {want}")
+                total += got
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, target)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+    return Written(total, digest.hexdigest())
+
+
+def write_safetensors(
+    path: str | os.PathLike[str],
+    tensors: Mapping[str, np.ndarray],
+    metadata: Mapping[str, str] | None = None,
+) -> Written:
+    """Write ``tensors`` (in their mapping order) to a safetensors file at ``path``, atomically.
+
+    The header is JSON padded with spaces to a multiple of 8 bytes; the data follows contiguously
+    in header order, little-endian (see :func:`stream_safetensors`). Unsupported dtypes raise ``TypeError``.
+    """
+    arrays = {name: np.asarray(value) for name, value in tensors.items()}
+    for name, array in arrays.items():
+        code = _dtype_code(name, array.dtype) if isinstance(name, str) else None
+        if code is not None and array.dtype != DTYPES[code]:  # big-endian input: stored little-endian
+            arrays[name] = array.astype(DTYPES[code])
+    specs = {name: (array.dtype, tuple(array.shape)) for name, array in arrays.items()}
+    return stream_safetensors(path, specs, lambda name: (arrays[name],), metadata)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -669,6 +718,10 @@ class TensorStore:
 
     def read(self, name: str) -> np.ndarray:
         return self._owner[name].read(name)
+
+    def release(self, name: str, start: int = 0, stop: int | None = None) -> None:
+        """Drop the mapped pages of ``name``, or of its bytes [start, stop) (see :meth:`SafetensorsFile.release`)."""
+        self._owner[name].release(name, start, stop)
 
     def __contains__(self, name: object) -> bool:
         return name in self._owner

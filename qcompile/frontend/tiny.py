@@ -15,6 +15,8 @@ Presets:
   bench — vocab 32000, H 1024, 8 layers (GDN,GDN,GDN,attn ×2), Hq 8, Hkv 2, hd 128, Hk 4, Hv 8, dk = dv = 128,
           E 64, top-8, I 256, Is 512: 514 M parameters, 162 M active per token (2.06 GB in f32), the Qwen3.5 pattern at a size that
           runs on a 24 GiB CPU machine.
+  qwen3.5-397b, qwen3-next-80b — the published full-size shapes (spec/model.md §1.3), written only with --sparse
+          (`write_sparse_checkpoint`: real headers, data as file holes that read as zeros).
 """
 
 from __future__ import annotations
@@ -42,7 +44,22 @@ PRESETS = {
                   linear_value_head_dim=128, num_experts=64, num_experts_per_tok=8, moe_intermediate_size=256,
                   shared_expert_intermediate_size=512, rope_theta=10000000.0),
 }
+#: Full-size shapes (spec/model.md §1.3), for header-only sparse checkpoints (`init-tiny --sparse`): structure,
+#: compile and memory tests at the real widths without 800 GB of data.
+FULL_SIZE = {
+    "qwen3.5-397b": dict(vocab_size=248320, hidden_size=4096, num_hidden_layers=60, num_attention_heads=32,
+                         num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=64,
+                         linear_key_head_dim=128, linear_value_head_dim=128, num_experts=512, num_experts_per_tok=10,
+                         moe_intermediate_size=1024, shared_expert_intermediate_size=1024, rope_theta=10000000.0),
+    "qwen3-next-80b": dict(vocab_size=151936, hidden_size=2048, num_hidden_layers=48, num_attention_heads=16,
+                           num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32,
+                           linear_key_head_dim=128, linear_value_head_dim=128, num_experts=512, num_experts_per_tok=10,
+                           moe_intermediate_size=512, shared_expert_intermediate_size=512, rope_theta=5000000.0),
+}
+PRESETS.update(FULL_SIZE)
 TORCH_DTYPE = {"f32": "float32", "bf16": "bfloat16"}
+#: Largest checkpoint `init-tiny` fills with random weights; larger presets need --sparse.
+MAX_DENSE_BYTES = 8 << 30
 
 
 def text_config(preset: str, family: str, dtype: str) -> dict:
@@ -105,20 +122,29 @@ def write_tiny(out_dir: str | Path, family: str = "qwen3_5_moe", preset: str = "
     return write_checkpoint(out_dir, full_config(preset, family, dtype), seed=seed, dtype=dtype)
 
 
-def write_checkpoint(out_dir: str | Path, config: dict, seed: int = 0, dtype: str = "f32") -> Path:
-    """Write random weights in the Hub layout of `config` (a config.json dict of either family)."""
-    out = Path(out_dir)
+def hub_tensors(config: dict) -> dict[str, tuple[int, ...]]:
+    """Every tensor name and shape a Hub checkpoint of `config` holds (the text model's)."""
     cfg = parse_config(config)
     wrapped = config.get("model_type") == "qwen3_5_moe"
     prefix = "model.language_model." if wrapped else "model."
     stacked = {f"{prefix}layers.{i}.mlp.experts.gate_up_proj" for i in range(cfg.num_layers)} if cfg.family == "qwen3_5_moe" else set()
-    refs = canonical_params(cfg, stacked, prefix)
     sources: dict[str, tuple[int, ...]] = {}
-    for ref in refs.values():
+    for ref in canonical_params(cfg, stacked, prefix).values():
         for source in ref.sources:
             sources[source] = ref.source_shape
-    _prepare_dir(out)  # before drawing the weights: a bad DIR fails at once, not after minutes (bench preset)
+    return sources
+
+
+def write_checkpoint(out_dir: str | Path, config: dict, seed: int = 0, dtype: str = "f32") -> Path:
+    """Write random weights in the Hub layout of `config` (a config.json dict of either family)."""
+    out = Path(out_dir)
+    sources = hub_tensors(config)
     np_dtype = np.float32 if dtype == "f32" else ml_dtypes.bfloat16
+    total = sum(int(np.prod(shape)) for shape in sources.values()) * np.dtype(np_dtype).itemsize
+    if total > MAX_DENSE_BYTES:
+        raise UsageError(f"this checkpoint would hold {total / 1e9:.0f} GB of random weights; pass --sparse for a "
+                         "header-only one (zeros, no disk blocks) to test compiling at that size")
+    _prepare_dir(out)  # before drawing the weights: a bad DIR fails at once, not after minutes (bench preset)
     tensors = {}
     for name in sorted(sources):
         rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
@@ -131,6 +157,47 @@ def write_checkpoint(out_dir: str | Path, config: dict, seed: int = 0, dtype: st
     except OSError as err:
         where = err.filename or out
         raise UsageError(one_line(f"{where}: cannot write the checkpoint ({err.strerror or err})")) from None
+    return out
+
+
+def write_sparse_checkpoint(out_dir: str | Path, config: dict, dtype: str = "bf16", shard_bytes: int = 50 * 10**9,
+                            ) -> Path:
+    """Write a sharded checkpoint of `config` whose data are holes: each shard is a real safetensors header followed
+    by `truncate` to its data size, so every tensor reads as zeros and takes no disk blocks (an 800 GB model in
+    a few MB). For compile, memory and structure tests at full size; the weights are all zero, so not for numerics.
+    Shards of about `shard_bytes`, `model.safetensors.index.json`, config.json and generation_config.json."""
+    from qcompile.frontend.safetensors_io import INDEX_FILE_NAME, DTYPES, _header
+
+    out = Path(out_dir)
+    _prepare_dir(out)
+    np_dtype = DTYPES["F32" if dtype == "f32" else "BF16"]
+    shards: list[dict[str, tuple[int, ...]]] = [{}]
+    size = 0
+    for name, shape in sorted(hub_tensors(config).items()):
+        nbytes = int(np.prod(shape)) * np_dtype.itemsize
+        if shards[-1] and size + nbytes > shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = shape
+        size += nbytes
+    weight_map, total = {}, 0
+    try:
+        for index, tensors in enumerate(shards, start=1):
+            file = f"model-{index:05d}-of-{len(shards):05d}.safetensors"
+            header = _header({n: (np_dtype, shape) for n, shape in tensors.items()}, {"format": "pt"})
+            data = sum(int(np.prod(shape)) * np_dtype.itemsize for shape in tensors.values())
+            with open(out / file, "wb") as f:
+                f.write(len(header).to_bytes(8, "little") + header)
+                f.truncate(8 + len(header) + data)
+            weight_map.update({n: file for n in tensors})
+            total += data
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out / INDEX_FILE_NAME).write_text(json.dumps(index, indent=2) + "\n")
+        (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        generation = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "do_sample": False}
+        (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    except OSError as err:
+        raise UsageError(one_line(f"{err.filename or out}: cannot write the checkpoint ({err.strerror or err})")) from None
     return out
 
 

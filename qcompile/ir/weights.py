@@ -22,18 +22,20 @@ beyond the device copies, so preparing a 400 GB checkpoint never holds it in mem
 from __future__ import annotations
 
 import hashlib
+import math
 import re
 import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from tqdm import tqdm
 
 from qcompile.frontend.checkpoint import Checkpoint
 from qcompile.ir.builder import Builder
 from qcompile.ir.graph import Graph, Value
 from qcompile.ir.ops.core import Input, Param
-from qcompile.ir.types import np_dtype
+from qcompile.ir.types import TensorType, np_dtype
 
 PREPARED_PREFIX = "prepared."
 _RECIPE_OUTPUT = "value"
@@ -139,6 +141,76 @@ def _evaluate(recipe_text: str, read) -> object:
     return fn(inputs)
 
 
+#: Largest piece `weight_pieces` makes at once: what bounds the host memory of streaming a checkpoint.
+PIECE_BYTES = 32 << 20
+#: Recipe ops that act on every row (axis 0) independently, so a recipe made of them can be evaluated a slab of rows
+#: at a time from the same rows of its inputs.
+_ROW_WISE = ("Concat", "Cast", "Slice", "Transpose")
+
+
+def param_types(graph: Graph) -> dict[str, TensorType]:
+    """Every parameter the graph names, with its type, in graph order: the weights' shapes and dtypes, known without
+    reading a byte (what an export needs)."""
+    return {node.op.name: node.op.type for node in graph.find(Param)}
+
+
+def _row_wise(recipe: Graph, rows: int) -> bool:
+    for node in recipe.nodes():
+        op = node.op
+        if isinstance(op, Param):
+            if not op.type.shape or op.type.shape[0] != rows:
+                return False
+        elif type(op).__name__ not in _ROW_WISE:
+            return False
+        elif hasattr(op, "axis") and op.axis % len(node.types[0].shape) == 0:
+            return False
+        elif hasattr(op, "perm") and tuple(op.perm)[0] != 0:
+            return False
+    return True
+
+
+def weight_pieces(checkpoint: Checkpoint, graph: Graph, name: str, piece_bytes: int | None = None):
+    """Parameter `name` of `graph` as host arrays, in consecutive slabs along axis 0 of at most `piece_bytes` each
+    (one piece for a scalar or a recipe that is not row-wise). A plain parameter is read from the checkpoint and cast
+    per slab (a zero-copy view of the mapped file when no cast is needed); a prepared one is computed per slab from the
+    same rows of its recipe's inputs. Each slab's source pages are dropped from the process once it is consumed, so
+    streaming a whole checkpoint through this keeps the resident set at about one slab, whatever the model's size."""
+    type_ = param_types(graph)[name]
+    dtype = np_dtype(type_.dtype)
+    recipe_text = graph.meta.get("prepared", {}).get(name)
+    piece_bytes = PIECE_BYTES if piece_bytes is None else piece_bytes
+    rows = type_.shape[0] if type_.shape else 0
+    row_bytes = math.prod(type_.shape[1:]) * np.dtype(dtype).itemsize
+    step = max(1, piece_bytes // max(1, row_bytes))
+    if recipe_text is None:
+        if not rows:
+            yield np.asarray(checkpoint.load(name)).astype(dtype)
+            return
+        for start in range(0, rows, step):
+            stop = min(rows, start + step)
+            yield checkpoint.load_rows(name, start, stop).astype(dtype, copy=False)
+            checkpoint.release_rows(name, start, stop)
+        return
+    from qcompile.ir.parser import parse_graph
+
+    recipe = parse_graph(recipe_text, "<prepared weight recipe>")
+    sources = [(n.op.name, np_dtype(n.op.type.dtype)) for n in recipe.find(Param)]
+    if not rows or not _row_wise(recipe, rows):
+        def read(source: str, source_type):
+            return jnp.asarray(checkpoint.load(source).astype(np_dtype(source_type.dtype)))
+
+        yield np.asarray(_evaluate(recipe_text, read))
+        for source, _ in sources:
+            checkpoint.release_rows(source, 0, checkpoint.params[source].shape[0])
+        return
+    for start in range(0, rows, step):
+        stop = min(rows, start + step)
+        piece = {source: checkpoint.load_rows(source, start, stop).astype(d, copy=False) for source, d in sources}
+        yield np.asarray(_evaluate(recipe_text, lambda source, _type: piece[source]))
+        for source, _ in sources:
+            checkpoint.release_rows(source, start, stop)
+
+
 def load_params(checkpoint: Checkpoint, graph: Graph, progress: bool | None = None, loaded: dict | None = None) -> dict:
     """Every parameter the graph names, on the default device, made one tensor at a time: plain names read from the
     checkpoint and cast to the graph's dtype (or taken from `loaded`, arrays already made for another graph of the
@@ -151,7 +223,11 @@ def load_params(checkpoint: Checkpoint, graph: Graph, progress: bool | None = No
         have = (loaded or {}).get(name)
         if have is not None and tuple(have.shape) == tuple(type_.shape) and have.dtype == np_dtype(type_.dtype):
             return have
-        return jnp.asarray(checkpoint.load(name).astype(np_dtype(type_.dtype)))
+        array = jax.block_until_ready(jnp.asarray(checkpoint.load(name).astype(np_dtype(type_.dtype))))
+        # The device copy is made: drop the mapped checkpoint pages it was read from, so the resident set holds the
+        # weights once (the device arrays), not also every page of the checkpoint ever read.
+        checkpoint.release_rows(name, 0, type_.shape[0] if type_.shape else 1)
+        return array
 
     params = {}
     for node in tqdm(nodes, desc="loading weights", unit="tensor", disable=not show, file=sys.stderr):

@@ -109,7 +109,7 @@ class Reproducer:
     settings: dict = attrs.Factory(dict)  # dtype, page size, verify-layers: what `reproduce` needs to rebuild
 
     def write(self, *, failing: str, before: list[str], input_graph: Graph, reference: Graph,
-              pipeline: list[str], result: CheckResult, seed: int) -> Path:
+              pipeline: list[str], result: CheckResult, seed: int, target: str = "reference") -> Path:
         stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
         path = self.root / f"{failing}-{stamp}"
         suffix = 1
@@ -122,7 +122,8 @@ class Reproducer:
         (path / "pipeline.txt").write_text(",".join(pipeline) + "\n")
         info = {"failing_pass": failing, "passes_before": before, "pipeline": pipeline, "seed": seed,
                 "bound": result.bound, "max_error": result.max_error, "errors": result.errors,
-                "reason": result.reason, "checkpoint": self.checkpoint, **self.settings}
+                "reason": result.reason, "drift_steps": result.drift_steps, "target": target,
+                "checkpoint": self.checkpoint, **self.settings}
         (path / "repro.json").write_text(json.dumps(info, indent=2) + "\n")
         return path
 
@@ -150,7 +151,7 @@ def _run_one(pass_: Pass, graph: Graph, ctx: PassContext, before: list[str]) -> 
     return result, seconds
 
 
-def _with_drift(check, drift, pass_: Pass, dtype: str):
+def with_drift(check, drift, pass_: Pass, dtype: str):
     """The check with a lossy pass's drift decode: the median step's logit error within the pass's bound (one step
     can jump where a perturbation flips an MoE router's near-tie — a discrete change the max would report as drift),
     and the greedy tokens agreeing with the reference's on at least `min_agreement` of the steps."""
@@ -197,7 +198,7 @@ def run_pipeline(graph: Graph, passes: list[Pass], ctx: PassContext = PassContex
                     started = time.perf_counter()
                     check = checker.check(result.graph, pass_.bound(graph.meta["dtype"]), against=current)
                     if check.ok and pass_.drift_steps:
-                        check = _with_drift(check, checker.drift(result.graph, pass_.drift_steps, against=current),
+                        check = with_drift(check, checker.drift(result.graph, pass_.drift_steps, against=current),
                                             pass_, graph.meta["dtype"])
                     check_seconds = time.perf_counter() - started
                 budget += pass_.bound(graph.meta["dtype"])
@@ -212,7 +213,7 @@ def run_pipeline(graph: Graph, passes: list[Pass], ctx: PassContext = PassContex
                 if reproducer is not None:
                     path = reproducer.write(failing=pass_.name, before=list(ran), input_graph=current,
                                             reference=current, pipeline=[pass_.name], result=check,
-                                            seed=checker.seed)
+                                            seed=checker.seed, target=checker.target)
                     where = f"; reproducer written to {path} (re-run: qcompile reproduce {path})"
                 raise NumericsError(f"numerics check failed after pass {pass_.name}{trail}: {check.reason}{where}")
             ran.append(pass_.name)
@@ -230,7 +231,8 @@ def run_pipeline(graph: Graph, passes: list[Pass], ctx: PassContext = PassContex
             where = ""
             if reproducer is not None:
                 path = reproducer.write(failing="final", before=list(ran), input_graph=reference, reference=reference,
-                                        pipeline=list(ran), result=final, seed=checker.seed)
+                                        pipeline=list(ran), result=final, seed=checker.seed,
+                                        target=checker.target)
                 where = f"; reproducer written to {path} (re-run: qcompile reproduce {path})"
             raise NumericsError(f"numerics check of the optimized graph against the unoptimized one failed "
                                 f"(passes: {', '.join(ran)}): {final.reason}{where}")

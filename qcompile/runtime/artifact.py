@@ -7,14 +7,29 @@ layout the (optimized) graph uses, and records everything needed to run and to a
 
 Why: compiling (import, passes, equivalence checks, tracing) is done once, on any machine, for a fixed target
 platform and fixed cache shapes; serving only deserializes StableHLO and lets XLA compile it for the device. The
-checkpoint may be deleted afterwards: the weights travel with the artifact.
+executables are exported from the weights' shapes alone (no weight is read to export), so a 400 GB checkpoint
+compiles on a host that could never hold it.
 
 Layout of OUT/:
 
     manifest.json                    written last, atomically; the artifact exists once this file does
-    weights.safetensors              every graph parameter under its graph name, in the graph's dtype and layout
-    graph.qir                        the step graph in IR text form (for humans and debugging; not needed to run)
+    weights.safetensors              --weights copy: every graph parameter under its graph name, in the graph's dtype
+                                     and layout (prepared weights included), streamed one slab at a time and hashed
+                                     as it is written
+    checkpoint/...                   --weights link: the checkpoint's files (config.json, index, shards), hard links
+    graph.qir                        the step graph in IR text form (read to make the weights in link/none modes)
     exec/step_T{T}_R{R}.jaxexport    jax.export serialization of the step (qcompile/ir/abi.py) for T tokens, R rows
+
+Weights (`--weights`, manifest `weights`: mode, source, params = name -> IR type, and for link/none the prepared
+weights' recipes):
+  copy — the default: the weights are in the artifact; the checkpoint may be deleted; `run` prepares nothing.
+  link — nothing is copied: the checkpoint's files are hard-linked into OUT/checkpoint/ (so the artifact survives the
+         checkpoint's deletion and takes no extra space), and `run` makes the weights from them as `run CHECKPOINT`
+         does (casts, layout recipes). Where the file system refuses hard links (another device), the manifest
+         references the checkpoint by path, size and hash instead (source "checkpoint"), as for none.
+  none — executables and manifest only, for deployments that load the checkpoint directly: `run` reads the checkpoint
+         at its recorded path, says so in one line, and refuses (exit 65) a checkpoint that is missing or whose files
+         differ in size or sha256 from compile time.
 
 Shape buckets are fixed at compile time from the CacheConfig: B = max_seqs sequence slots, M = pages per sequence,
 P = pool pages, S = B state slots; T runs over the powers of two 1 .. max(max_step_tokens, max_seqs) (rounded up to
@@ -28,19 +43,21 @@ manifest.json keys: format_version, qcompile_version, jax_version, jaxlib_versio
 platform (the jax.export platform: cpu | tpu | cuda), mesh (null: single device), config (the model config),
 page_size, cache (max_seqs, max_context, num_pages, max_step_tokens and the bound sizes B/M/P/S), cache_types
 (name -> IR type text), buckets ([{tokens, rows, logits, file}]), lowering (the rule table the executables use),
-native_kernels (qcompile's native CPU custom calls the executables call, kernels/native.py; [] elsewhere), files
-({relative path: {sha256, bytes}} for every file but the manifest), plus the caller's `extra` keys (the CLI adds pipeline, passes, equivalence).
+native_kernels (qcompile's native CPU custom calls the executables call, kernels/native.py; [] elsewhere), weights
+(above), files ({relative path: {sha256, bytes}} for every file but the manifest), export_seconds, weights_seconds,
+plus the caller's `extra` keys (the CLI adds pipeline, passes, equivalence).
 
 What `load_artifact` verifies, refusing with a one-line CheckpointError (exit 65) naming the file:
   * manifest.json exists, is a JSON object, and its format_version is one this qcompile reads;
   * the target matches the platform this process runs (`jax.default_backend()`);
   * every listed file exists, has the recorded size (truncation) and the recorded sha256 (tampering; streamed in
-    chunks, never read whole); listed paths must stay inside the artifact;
+    chunks, never read whole); listed paths must stay inside the artifact; the same for a referenced checkpoint's
+    files;
   * the native CPU kernels it names can be built and registered here (else: what is missing, and how to compile
     without them);
   * every bucket's executable deserializes with the installed jax (else: the exporting vs installed versions),
     was exported for the manifest's platform, and takes exactly the shapes the manifest describes (token bucket,
-    logit rows, caches) and the weights in weights.safetensors (names, shapes, dtypes).
+    logit rows, caches, weights), and the weights made have exactly those names, shapes and dtypes.
 
 GPU: `--target gpu` exports for platform `cuda` (lowering needs no GPU, so it works from this machine); running it
 needs a CUDA host with `pip install 'qcompile[gpu]'` (jax[cuda13] of the same jax minor version), where
@@ -63,16 +80,21 @@ import qcompile
 from qcompile.errors import CheckpointError, UsageError, one_line
 from qcompile.frontend.safetensors_io import SafetensorsFile
 from qcompile.ir.abi import CacheConfig, batch_specs, cache_specs
-from qcompile.ir.types import TensorType, parse_type
+from qcompile.ir.types import TensorType, np_dtype, parse_type
 from qcompile.kernels import native
 from qcompile.runtime.engine import Engine
 
-FORMAT_VERSION = 2  # 2: buckets carry `logits`; R = B buckets return token ids only
-READABLE_FORMAT_VERSIONS = (2,)
+FORMAT_VERSION = 3  # 2: buckets carry `logits`; 3: `weights` (mode, source, parameter types)
+READABLE_FORMAT_VERSIONS = (2, 3)
 MANIFEST = "manifest.json"
 WEIGHTS = "weights.safetensors"
 GRAPH_TEXT = "graph.qir"
 EXEC_DIR = "exec"
+#: --weights link: the checkpoint's files, hard-linked here.
+CHECKPOINT_DIR = "checkpoint"
+#: --weights: copy (prepared weights in weights.safetensors), link (hard links to the checkpoint's files, weights
+#: made from them at load), none (executables and manifest only; weights made at load from the checkpoint's path).
+WEIGHT_MODES = ("copy", "link", "none")
 #: Present while write_artifact is running; lets a rerun overwrite a directory an interrupted write left behind.
 WRITING_MARKER = ".qcompile-writing"
 #: --target name -> jax.export platform name.
@@ -90,11 +112,13 @@ def bucket_file(tokens: int, rows: int) -> str:
 # -- files and hashes ----------------------------------------------------------------------------------------------
 
 
-def sha256_file(path: Path) -> str:
+def sha256_file(path: Path, on_bytes=None) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(_CHUNK):
             digest.update(chunk)
+            if on_bytes is not None:
+                on_bytes(len(chunk))
     return digest.hexdigest()
 
 
@@ -308,6 +332,7 @@ class ArtifactModel:
     manifest: dict
     params: dict
     program: ExportedProgram
+    weights_note: str | None = None  # where the weights came from when not from the artifact itself
 
     @property
     def config_json(self) -> dict:
@@ -322,15 +347,73 @@ class ArtifactModel:
 
     def graph(self):
         """The step graph the executables were exported from, parsed from graph.qir (for costs and probes)."""
-        from qcompile.ir.parser import parse_graph
-
-        meta = {"page_size": self.manifest["page_size"], "caches": list(self.program.cache_types),
-                "vocab_size": int(self.config_json["vocab_size"]),
-                "dtype": self.manifest.get("compute_dtype", "f32")}
-        return parse_graph((self.path / GRAPH_TEXT).read_text(), str(self.path / GRAPH_TEXT), meta=meta)
+        return _parse_artifact_graph(self.path, self.manifest, list(self.program.cache_types))
 
 
-def load_artifact(path, verify_hashes: bool = True) -> ArtifactModel:
+def _parse_artifact_graph(root: Path, manifest: dict, caches: list[str]):
+    from qcompile.ir.parser import parse_graph
+
+    meta = {"page_size": manifest["page_size"], "caches": caches, "vocab_size": int(manifest["config"]["vocab_size"]),
+            "dtype": manifest.get("compute_dtype", "f32"),
+            "prepared": dict((manifest.get("weights") or {}).get("prepared") or {})}
+    return parse_graph((root / GRAPH_TEXT).read_text(), str(root / GRAPH_TEXT), meta=meta)
+
+
+def _weights_entry(manifest: dict, manifest_path: Path) -> dict:
+    """The manifest's `weights` section (format 3), or what a format-2 artifact implies (everything copied)."""
+    entry = manifest.get("weights", {"mode": "copy", "source": "artifact"})
+    ok = (isinstance(entry, dict) and entry.get("mode") in WEIGHT_MODES
+          and entry.get("source") in ("artifact", "linked", "checkpoint")
+          and isinstance(entry.get("params", {}), dict))
+    if not ok:
+        raise _refuse(manifest_path, "'weights' is missing or malformed")
+    return entry
+
+
+def _referenced_checkpoint(entry: dict, manifest_path: Path, verify_hashes: bool) -> Path:
+    """The checkpoint a --weights none artifact (or a link that fell back to references) reads its weights from,
+    checked file by file against the sizes and hashes recorded at compile time."""
+    ref = entry.get("checkpoint")
+    if not isinstance(ref, dict) or not isinstance(ref.get("path"), str) or not isinstance(ref.get("files"), dict):
+        raise _refuse(manifest_path, "'weights.checkpoint' is missing or malformed")
+    root = Path(ref["path"])
+    how = f"this artifact holds no weights (compiled with --weights {entry['mode']}); it reads them from {root}"
+    for rel, info in ref["files"].items():
+        path = inside(root, rel)
+        if path is None or not isinstance(info, dict):
+            raise _refuse(manifest_path, f"bad checkpoint file entry {rel!r}")
+        if not path.is_file():
+            raise _refuse(path, f"missing: {how}; restore the checkpoint there or compile with --weights copy")
+        if path.stat().st_size != info.get("bytes"):
+            raise _refuse(path, f"{path.stat().st_size} bytes, {info.get('bytes')} when the artifact was compiled: "
+                                f"{how}, and the checkpoint changed; compile the artifact again")
+        if verify_hashes and sha256_file(path) != info.get("sha256"):
+            raise _refuse(path, f"sha256 differs from when the artifact was compiled: {how}, and the checkpoint "
+                                "was modified; compile the artifact again")
+    return root / str(ref.get("entry", "."))
+
+
+def _load_weights(root: Path, manifest: dict, entry: dict, cache_types: dict, verify_hashes: bool,
+                  progress: bool | None) -> tuple[dict, str | None]:
+    """(parameters on the device, a line saying where they came from when not from the artifact itself)."""
+    if entry["source"] == "artifact":
+        weights = SafetensorsFile(root / WEIGHTS)
+        return {name: jnp.asarray(weights.read(name)) for name in weights.tensors}, None
+    from qcompile.frontend.checkpoint import Checkpoint
+    from qcompile.ir.weights import load_params
+
+    if entry["source"] == "linked":
+        opened = root / CHECKPOINT_DIR / str(entry.get("checkpoint_entry", "."))
+        note = f"qcompile: weights made from the checkpoint hard-linked into {root / CHECKPOINT_DIR} (--weights link)"
+    else:
+        opened = _referenced_checkpoint(entry, root / MANIFEST, verify_hashes)
+        note = (f"qcompile: this artifact needs the checkpoint at {opened} and reads its weights from there "
+                f"(--weights {entry['mode']})")
+    graph = _parse_artifact_graph(root, manifest, list(cache_types))
+    return load_params(Checkpoint.open(opened), graph, progress), note
+
+
+def load_artifact(path, verify_hashes: bool = True, progress: bool | None = False) -> ArtifactModel:
     """Verify an artifact directory (see the module docstring) and load its weights and executables."""
     root = Path(path)
     manifest = _read_manifest(root)
@@ -346,15 +429,18 @@ def load_artifact(path, verify_hashes: bool = True) -> ArtifactModel:
     buckets = _need(manifest, manifest_path, "buckets", list)
     cache_json = _need(manifest, manifest_path, "cache", dict)
     page_size = _need(manifest, manifest_path, "page_size", int)
+    entry = _weights_entry(manifest, manifest_path)
     try:
         cache_types = {name: parse_type(text) for name, text in _need(manifest, manifest_path, "cache_types",
                                                                          dict).items()}
         sizes = {k: int(cache_json["sizes"][k]) for k in ("B", "M", "P", "S")}
         keys = [(int(b["tokens"]), int(b["rows"]), str(b["file"]), bool(b["logits"])) for b in buckets]
         CacheConfig.from_json(cache_json)
+        declared = {name: parse_type(text) for name, text in entry.get("params", {}).items()}
     except (KeyError, TypeError, ValueError, UsageError) as err:
-        raise _refuse(manifest_path, f"malformed cache or bucket description ({err})") from None
-    for rel in [WEIGHTS, *(f for _, _, f, _ in keys)]:
+        raise _refuse(manifest_path, f"malformed cache, bucket or weight description ({err})") from None
+    needed = [WEIGHTS] if entry["source"] == "artifact" else []
+    for rel in [*needed, *(f for _, _, f, _ in keys)]:
         if rel not in files:
             raise _refuse(manifest_path, f"{rel} is not listed under 'files' (no hash to check it against)")
     if not keys:
@@ -362,8 +448,11 @@ def load_artifact(path, verify_hashes: bool = True) -> ArtifactModel:
     _check_files(root, files, verify_hashes)
 
     _ensure_native_kernels(manifest, manifest_path)
-    weights = SafetensorsFile(root / WEIGHTS)  # validates the header and layout; data is read lazily
-    param_specs = {name: jax.ShapeDtypeStruct(info.shape, info.np_dtype) for name, info in weights.tensors.items()}
+    if declared:
+        param_specs = {name: jax.ShapeDtypeStruct(tuple(t.shape), np_dtype(t.dtype)) for name, t in declared.items()}
+    else:  # format 2: the weights file is the only description
+        weights = SafetensorsFile(root / WEIGHTS)  # validates the header and layout; data is read lazily
+        param_specs = {name: jax.ShapeDtypeStruct(info.shape, info.np_dtype) for name, info in weights.tensors.items()}
     caches = cache_specs(cache_types, sizes)
     exported = {}
     for tokens, rows, rel, with_logits in keys:
@@ -371,7 +460,12 @@ def load_artifact(path, verify_hashes: bool = True) -> ArtifactModel:
         exp = _deserialize(file, manifest)
         _check_exported(file, exp, manifest, (param_specs, caches, batch_specs(tokens, rows, sizes)))
         exported[(tokens, rows)] = (exp, with_logits)
-    params = {name: jnp.asarray(weights.read(name)) for name in weights.tensors}
+    params, note = _load_weights(root, manifest, entry, cache_types, verify_hashes, progress)
+    got = {name: jax.ShapeDtypeStruct(np.shape(a), a.dtype) for name, a in params.items()}
+    if got != param_specs:
+        raise _refuse(root / (WEIGHTS if entry["source"] == "artifact" else MANIFEST),
+                      "the weights do not match what the executables take (names, shapes or dtypes): "
+                      "mismatched artifact")
     program = ExportedProgram(page_size, cache_types, exported)
     use_compilation_cache(manifest)
-    return ArtifactModel(root, manifest, params, program)
+    return ArtifactModel(root, manifest, params, program, note)
