@@ -280,3 +280,14 @@ def test_a_slice_too_large_for_memory_is_checked_on_fewer_experts(tiny, capsys, 
     monkeypatch.setattr(driver, "memory_bytes", lambda: 3000)
     code, _, err = cli(capsys, tiny, "--passes", "swiglu-fusion", "--verify", "final")
     assert code == 2 and err.count("\n") == 1 and "GiB of memory" in err and "--verify none" in err
+
+
+def test_weights_are_written_with_a_progress_bar_in_bytes_and_a_rate(tiny, capfd, tmp_path):
+    ckpt = Checkpoint.open(tiny)
+    graph = build_graph(ckpt)
+    from qcompile.ir.abi import CacheConfig
+
+    export.write_artifact(tmp_path / "art", graph, export.CheckpointWeights(ckpt, graph), config_json={},
+                          cache=CacheConfig(max_seqs=1, max_context=16, max_step_tokens=1), progress=True)
+    err = capfd.readouterr().err
+    assert "writing weights" in err and "B/s" in err and "exporting for cpu" in err
