@@ -160,6 +160,18 @@ def _parse_ids(text: str) -> list[int]:
         raise UsageError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
 
 
+def _size_option(ctx, param, value):
+    """A --memory-budget style size option, parsed to bytes (a usage error, exit 2, when it is not a size)."""
+    if value is None:
+        return None
+    from qcompile.runtime.memory import parse_size
+
+    try:
+        return parse_size(value)
+    except ValueError as err:
+        raise click.BadParameter(str(err)) from None
+
+
 def _check_page_size(page_size: int) -> None:
     if isinstance(page_size, bool) or page_size <= 0 or page_size & (page_size - 1):
         raise UsageError(f"--page-size must be a positive power of two, got {page_size}")
@@ -212,8 +224,12 @@ def _check_output_file(path: Path, flag: str) -> None:
 @click.option("--save-logits", type=click.Path(path_type=Path),
               help="Save the prompt's logits, float32 [T, vocab], as .npy (to exactly this path).")
 @click.option("--ignore-eos", is_flag=True, help="Do not stop at the config's eos_token_id: generate --max-new-tokens.")
-@click.option("--json", "as_json", is_flag=True, help="Print a machine-readable JSON result (with finish_reason).")
-def run_cmd(checkpoint, prompt_ids, max_new_tokens, dtype, save_logits, ignore_eos, as_json):
+@click.option("--memory-budget", metavar="SIZE", callback=_size_option,
+              help="Refuse (exit 2), before allocating the caches, when weights + caches + the largest step's "
+                   "temporaries + the runtime would exceed SIZE (e.g. 16GiB, 800MB).")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print a machine-readable JSON result (with finish_reason and where the memory went).")
+def run_cmd(checkpoint, prompt_ids, max_new_tokens, dtype, save_logits, ignore_eos, memory_budget, as_json):
     """Greedy-generate from CHECKPOINT (or a compiled artifact directory) and print the new token ids.
 
     Generation stops after an EOS token (the config's eos_token_id; printed as the last token) or after
@@ -237,7 +253,8 @@ def run_cmd(checkpoint, prompt_ids, max_new_tokens, dtype, save_logits, ignore_e
         if artifact.weights_note:
             click.echo(artifact.weights_note, err=True)
         eos_ids = tuple(artifact.config_json.get("eos_token_ids") or ())
-        engine, vocab = artifact.engine(), int(artifact.config_json["vocab_size"])
+        engine, vocab = artifact.engine(memory_budget), int(artifact.config_json["vocab_size"])
+        graph = artifact.graph() if as_json else None
         family, graph_dtype = artifact.config_json["family"], artifact.manifest.get("compute_dtype")
         limit = engine.cache_cfg.max_context
         if len(ids) + max_new_tokens > limit:
@@ -248,7 +265,10 @@ def run_cmd(checkpoint, prompt_ids, max_new_tokens, dtype, save_logits, ignore_e
         model.checkpoint.warn_unknown()
         eos_ids = model.checkpoint.config.eos_token_ids
         vocab, family, graph_dtype = model.checkpoint.config.vocab_size, model.checkpoint.config.family, model.graph.meta["dtype"]
-        engine = model.engine(CacheConfig(max_seqs=1, max_context=len(ids) + max_new_tokens))
+        engine = model.engine(CacheConfig(max_seqs=1, max_context=len(ids) + max_new_tokens,
+                                          max_step_tokens=min(len(ids), 256)),
+                              memory_budget=memory_budget)
+        graph = model.graph
     bad = [i for i in ids if not 0 <= i < vocab]
     if bad:
         raise UsageError(f"prompt id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
@@ -268,7 +288,8 @@ def run_cmd(checkpoint, prompt_ids, max_new_tokens, dtype, save_logits, ignore_e
         click.echo(json.dumps({"prompt_ids": ids, "tokens": tokens, "finish_reason": finish_reason,
                                "eos_token_ids": list(eos_ids), "dtype": graph_dtype, "family": family,
                                "seconds": {"load": round(loaded - started, 3), "generate": round(done - loaded, 3),
-                                           "first_token": round(result["first_token_at"] - started, 3)}}))
+                                           "first_token": round(result["first_token_at"] - started, 3)},
+                               "memory": engine.memory(graph)}))
     else:
         click.echo(",".join(str(t) for t in tokens))
 
@@ -324,10 +345,12 @@ def init_tiny_cmd(directory, family, preset, seed, dtype, sparse, force):
 @click.option("--verify", type=click.Choice(["final", "none"]), default="final", show_default=True,
               help="Check each build against the unoptimized graph before measuring it.")
 @click.option("--seed", default=0, show_default=True, help="Seed of the random prompts.")
+@click.option("--memory-budget", metavar="SIZE", callback=_size_option,
+              help="Refuse (exit 2) a concurrency whose weights + caches + temporaries + runtime exceed SIZE.")
 @click.option("--json", "json_path", type=click.Path(path_type=Path), help="Write the results (docs/benchmarks.md schema).")
 @click.option("--plot", "plot_path", type=click.Path(path_type=Path), help="Write a PNG bar chart (needs matplotlib).")
 def bench_cmd(source, workload, scale, input_len, output_len, concurrency, num_prompts, passes_spec, compare, ablate,
-              dtype, max_step_tokens, verify, seed, json_path, plot_path):
+              dtype, max_step_tokens, verify, seed, memory_budget, json_path, plot_path):
     """Measure prefill/decode throughput, latency and % of roofline of CHECKPOINT (or an artifact)."""
     from qcompile.compiler.bench import BenchOptions, run_bench
 
@@ -338,7 +361,7 @@ def bench_cmd(source, workload, scale, input_len, output_len, concurrency, num_p
     opts = BenchOptions(source=source, workload=workload, input_len=input_len, output_len=output_len, scale=scale,
                         concurrency=levels, num_prompts=num_prompts, passes=passes_spec, compare=tuple(compare),
                         ablate=ablate, json_path=json_path, plot_path=plot_path, seed=seed, dtype=dtype,
-                        max_step_tokens=max_step_tokens, verify=verify)
+                        max_step_tokens=max_step_tokens, verify=verify, memory_budget=memory_budget)
     run_bench(opts, emit=click.echo)
 
 

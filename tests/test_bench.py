@@ -65,10 +65,15 @@ def test_report_schema_and_counts(report):
         seconds = run["measured_seconds"]["decode"]
         assert math.isclose(run["decode_tok_s"] * seconds, c * 3, rel_tol=1e-9)
         assert 0 < run["roofline_decode"] and 0 < run["roofline_prefill"]
+        if run["engine"] == "qcompile":  # where the memory went (tests/test_memory.py checks the figures)
+            memory = run["memory"]
+            assert memory["weights"]["bytes"] > 0 and memory["peak_rss_bytes"] >= memory["weights"]["bytes"]
+            assert memory["caches"]["kv_pages"] > 0 and memory["caches"]["gdn_state"] > 0
+            assert memory["temporaries"]["largest_bytes"] > 0
     assert result["builds"][0]["check"]["ok"] is True
     assert any("vs transformers at concurrency 2" in line for line in result["ratios"])
     table = "\n".join(lines)
-    assert "prefill tok/s" in table and "transformers" in table
+    assert "prefill tok/s" in table and "transformers" in table and "peak GiB" in table
 
 
 def test_experts_touched_are_probed(report):

@@ -25,6 +25,7 @@ from qcompile.compiler.measure import (SCHEMA_VERSION, Roofline, bench_engine, b
 from qcompile.errors import UsageError
 from qcompile.ir.abi import CacheConfig
 from qcompile.ir.lowering import host_target
+from qcompile.runtime.memory import reset_peak
 
 COMPARE_CHOICES = ("transformers",)
 
@@ -47,6 +48,7 @@ class BenchOptions:
     dtype: str | None = None
     max_step_tokens: int = 512
     verify: str = "final"
+    memory_budget: int | None = None  # bytes; each engine refuses a cache configuration that would not fit
 
 
 @attrs.define
@@ -182,12 +184,13 @@ def run_bench(opts: BenchOptions, emit=print) -> dict:
             for build in builds:
                 log(f"qcompile [{build.label}] at concurrency {concurrency}: compiling and warming up, then "
                     f"{num} requests")
-                engine = _engine(art if artifact else None, build, params, cache, target)
+                reset_peak()
+                engine = _engine(art if artifact else None, build, params, cache, target, opts.memory_budget)
                 roofline = Roofline(build.graph, engine.sizes, ceilings, dtype)
                 m = bench_engine(engine, "qcompile", build.label, prompts, output_len, concurrency, roofline,
                                  build.graph, target, lambda: None)
                 experts = experts or m.experts_touched
-                runs.append(m.to_json())
+                runs.append({**m.to_json(), "memory": engine.memory(build.graph)})
                 _progress(runs[-1])
                 del engine
             if "transformers" in opts.compare:
@@ -213,12 +216,12 @@ def _hf_dir(ckpt) -> Path:
     return ckpt.path if ckpt.path.is_dir() else ckpt.path.parent
 
 
-def _engine(art, build: Build, params, cache: CacheConfig, target: str):
+def _engine(art, build: Build, params, cache: CacheConfig, target: str, memory_budget: int | None):
     from qcompile.runtime.engine import Engine
 
     if art is not None:
-        return Engine(art.program, art.params, art.cache_config)
-    return Engine(build.graph, build.params, cache, target)
+        return Engine(art.program, art.params, art.cache_config, memory_budget=memory_budget)
+    return Engine(build.graph, build.params, cache, target, memory_budget)
 
 
 def _progress(run: dict) -> None:
@@ -245,9 +248,17 @@ def _fmt(value, spec: str = ".1f") -> str:
     return "-" if value is None else format(value, spec)
 
 
+def _peak_gib(run: dict) -> float | None:
+    """A qcompile run's peak resident set (reset before its engine was made); None for transformers, which runs in
+    the same process beside qcompile's weights (benchmarks/memory.py measures each in its own process)."""
+    peak = (run.get("memory") or {}).get("peak_rss_bytes")
+    return None if peak is None else peak / 2**30
+
+
 def table(runs: list[dict]) -> str:
     head = (f"{'engine':<22} {'passes':<14} {'conc':>4} {'prefill tok/s':>13} {'decode tok/s':>12} "
-            f"{'TTFT ms':>9} {'TPOT ms':>9} {'ITL p99':>8} {'out tok/s':>9} {'roof pre':>8} {'roof dec':>8}")
+            f"{'TTFT ms':>9} {'TPOT ms':>9} {'ITL p99':>8} {'out tok/s':>9} {'roof pre':>8} {'roof dec':>8} "
+            f"{'peak GiB':>8}")
     lines = [head, "-" * len(head)]
     for r in runs:
         lines.append(
@@ -255,7 +266,8 @@ def table(runs: list[dict]) -> str:
             f"{_fmt(r['decode_tok_s']):>12} {_fmt(r['ttft_ms']['mean']):>9} {_fmt(r['tpot_ms']['mean'], '.2f'):>9} "
             f"{_fmt(r['itl_ms']['p99'], '.2f'):>8} {_fmt(r['output_tok_s']):>9} "
             f"{_fmt(None if r['roofline_prefill'] is None else 100 * r['roofline_prefill'], '.0f') + '%':>8} "
-            f"{_fmt(None if r['roofline_decode'] is None else 100 * r['roofline_decode'], '.0f') + '%':>8}")
+            f"{_fmt(None if r['roofline_decode'] is None else 100 * r['roofline_decode'], '.0f') + '%':>8} "
+            f"{_fmt(_peak_gib(r), '.2f'):>8}")
     return "\n".join(lines)
 
 

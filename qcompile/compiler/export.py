@@ -26,7 +26,7 @@ from tqdm import tqdm
 import qcompile
 from qcompile.errors import UsageError
 from qcompile.frontend.checkpoint import Checkpoint
-from qcompile.frontend.safetensors_io import stream_safetensors
+from qcompile.frontend.safetensors_io import aligned_order, stream_safetensors
 from qcompile.ir.abi import CacheConfig, batch_specs, bucket_shapes, cache_specs, graph_cache_types
 from qcompile.ir.graph import Graph
 from qcompile.ir.lowering import step_function
@@ -250,7 +250,7 @@ def _write(out: Path, graph: Graph, weights, *, config_json, cache, target, plat
     weights_entry: dict = {"mode": mode, "params": {name: str(t) for name, t in types.items()}}
     started = time.perf_counter()
     if mode == "copy":
-        specs = {name: (np_dtype(t.dtype), tuple(t.shape)) for name, t in types.items()}
+        specs = aligned_order({name: (np_dtype(t.dtype), tuple(t.shape)) for name, t in types.items()})
         with tqdm(total=weight_bytes(graph), desc="writing weights", unit="B", unit_scale=True, unit_divisor=1024,
                   disable=not show, file=sys.stderr) as bar:
             written = stream_safetensors(out / WEIGHTS, specs, weights.pieces, {"format": "qcompile-artifact"},

@@ -15,7 +15,8 @@ Layout of OUT/:
     manifest.json                    written last, atomically; the artifact exists once this file does
     weights.safetensors              --weights copy: every graph parameter under its graph name, in the graph's dtype
                                      and layout (prepared weights included), streamed one slab at a time and hashed
-                                     as it is written
+                                     as it is written; laid out 64-byte aligned (safetensors_io.aligned_order), so
+                                     `run` uses each tensor in place from the mapped file (ir/weights.py::to_device)
     checkpoint/...                   --weights link: the checkpoint's files (config.json, index, shards), hard links
     graph.qir                        the step graph in IR text form (read to make the weights in link/none modes)
     exec/step_T{T}_R{R}.jaxexport    jax.export serialization of the step (qcompile/ir/abi.py) for T tokens, R rows
@@ -72,7 +73,6 @@ from pathlib import Path, PurePosixPath
 
 import attrs
 import jax
-import jax.numpy as jnp
 import jaxlib
 import numpy as np
 
@@ -83,6 +83,7 @@ from qcompile.ir.abi import CacheConfig, batch_specs, cache_specs
 from qcompile.ir.types import TensorType, np_dtype, parse_type
 from qcompile.kernels import native
 from qcompile.runtime.engine import Engine
+from qcompile.runtime.memory import CompiledBuckets
 
 FORMAT_VERSION = 3  # 2: buckets carry `logits`; 3: `weights` (mode, source, parameter types)
 READABLE_FORMAT_VERSIONS = (2, 3)
@@ -294,6 +295,7 @@ class ExportedProgram:
         self._exported = exported
         self._tokens = sorted({t for t, _ in exported})
         self._callables: dict[tuple[int, int], object] = {}
+        self.compiled_buckets = CompiledBuckets()
 
     @property
     def buckets(self) -> list[tuple[int, int]]:
@@ -306,7 +308,7 @@ class ExportedProgram:
         raise UsageError(f"a step of {n} tokens exceeds the largest exported bucket ({self._tokens[-1]} tokens); "
                          "recompile the artifact with a larger --max-step-tokens")
 
-    def __call__(self, params, caches, batch, with_logits: bool = True):
+    def _jitted(self, params, caches, batch, with_logits: bool):
         key = (int(np.shape(batch["token_ids"])[0]), int(np.shape(batch["logits_indices"])[0]))
         if key not in self._exported:
             have = ", ".join(f"T{t}/R{r}" for t, r in self.buckets)
@@ -323,7 +325,16 @@ class ExportedProgram:
             device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
             fn = self._callables[key] = jax.jit(exported.call, donate_argnums=(1,),
                                                 in_shardings=device, out_shardings=device)
-        return fn(params, caches, batch)
+        return fn, has_logits
+
+    def executable(self, params, caches, batch, with_logits: bool = True):
+        """The compiled executable of this bucket (see GraphProgram.executable); whether it returns logits is fixed
+        by the export."""
+        fn, has_logits = self._jitted(params, caches, batch, with_logits)
+        return self.compiled_buckets.compiled(fn, params, caches, batch, has_logits)
+
+    def __call__(self, params, caches, batch, with_logits: bool = True):
+        return self.executable(params, caches, batch, with_logits)(params, caches, batch)
 
 
 @attrs.define
@@ -342,8 +353,8 @@ class ArtifactModel:
     def cache_config(self) -> CacheConfig:
         return CacheConfig.from_json(self.manifest["cache"])
 
-    def engine(self) -> Engine:
-        return Engine(self.program, self.params, self.cache_config)
+    def engine(self, memory_budget: int | None = None) -> Engine:
+        return Engine(self.program, self.params, self.cache_config, memory_budget=memory_budget)
 
     def graph(self):
         """The step graph the executables were exported from, parsed from graph.qir (for costs and probes)."""
@@ -396,11 +407,20 @@ def _referenced_checkpoint(entry: dict, manifest_path: Path, verify_hashes: bool
 def _load_weights(root: Path, manifest: dict, entry: dict, cache_types: dict, verify_hashes: bool,
                   progress: bool | None) -> tuple[dict, str | None]:
     """(parameters on the device, a line saying where they came from when not from the artifact itself)."""
+    from qcompile.ir.weights import load_params, to_device
+
     if entry["source"] == "artifact":
+        # The artifact lays its tensors out 64-byte aligned (safetensors_io.aligned_order), so each is used in place
+        # from the mapped file; one that is not (an older artifact, an odd-sized vector) is copied and its pages
+        # dropped.
         weights = SafetensorsFile(root / WEIGHTS)
-        return {name: jnp.asarray(weights.read(name)) for name in weights.tensors}, None
+        params = {}
+        for name in weights.tensors:
+            params[name], aliased = to_device(weights.read(name))
+            if not aliased:
+                weights.release(name)
+        return params, None
     from qcompile.frontend.checkpoint import Checkpoint
-    from qcompile.ir.weights import load_params
 
     if entry["source"] == "linked":
         opened = root / CHECKPOINT_DIR / str(entry.get("checkpoint_entry", "."))

@@ -23,11 +23,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from qcompile.errors import UsageError
-from qcompile.ir.abi import LOGITS, NEXT_TOKENS, CacheConfig, WorkItem, graph_cache_types, pack_batch, token_bucket
+from qcompile.ir.abi import (LOGITS, NEXT_TOKENS, CacheConfig, WorkItem, batch_specs, cache_specs, graph_cache_types,
+                             pack_batch, token_bucket)
 from qcompile.ir.graph import Graph
 from qcompile.ir.lowering import host_target, step_function
 from qcompile.ir.types import np_dtype
 from qcompile.kernels import native
+from qcompile.runtime.memory import (CompiledBuckets, cache_bytes, compiled_memory, gib, peak_rss, resident, step_intermediates,
+                                     weight_bytes)
 
 ZERO_SLOT = "qcompile_zero_slot"
 
@@ -56,6 +59,7 @@ class GraphProgram:
         self.cache_types = graph_cache_types(graph)
         self._jitted = {flag: jax.jit(step_function(graph, self.target, flag), donate_argnums=(1,))
                         for flag in (True, False)}
+        self.compiled_buckets = CompiledBuckets()
 
     @classmethod
     def of(cls, graph: Graph, target: str | None = None) -> "GraphProgram":
@@ -67,8 +71,13 @@ class GraphProgram:
 
     token_bucket = staticmethod(token_bucket)
 
+    def executable(self, params, caches, batch, with_logits: bool = True):
+        """The compiled executable of this bucket (compiled on first use; `caches` and `batch` may be
+        ShapeDtypeStructs, so a bucket can be compiled — and its memory analysed — before any cache exists)."""
+        return self.compiled_buckets.compiled(self._jitted[with_logits], params, caches, batch, with_logits)
+
     def __call__(self, params, caches, batch, with_logits: bool = True):
-        return self._jitted[with_logits](params, caches, batch)
+        return self.executable(params, caches, batch, with_logits)(params, caches, batch)
 
 
 def _zero_slot(arr, slot):
@@ -88,7 +97,8 @@ def _reset_slot(caches, slot):
 
 
 class Engine:
-    def __init__(self, program, params: dict, cache: CacheConfig = CacheConfig(), target: str | None = None):
+    def __init__(self, program, params: dict, cache: CacheConfig = CacheConfig(), target: str | None = None,
+                 memory_budget: int | None = None):
         if isinstance(program, Graph):
             program = GraphProgram.of(program, target)
         self.program = program
@@ -98,10 +108,65 @@ class Engine:
         self.pages_per_seq = cache.pages_per_seq(self.page_size)
         self.sizes = cache.sizes(self.page_size)
         self.cache_names = list(program.cache_types)
+        if memory_budget is not None:
+            self.check_memory_budget(memory_budget)
         self.caches = {name: jnp.zeros(t.bind(self.sizes), np_dtype(t.dtype)) for name, t in program.cache_types.items()}
         self.free_slots = list(range(cache.max_seqs))
         self.free_pages = list(range(self.sizes["P"]))
         self.last_batch: dict | None = None
+
+    # -- memory ----------------------------------------------------------------------------------------------------
+
+    def largest_step(self) -> tuple[int, int]:
+        """(tokens, logit rows) of the largest step this engine makes without prompt logits."""
+        return self.program.token_bucket(max(self.cache_cfg.max_step_tokens, self.cache_cfg.max_seqs)), \
+            self.cache_cfg.max_seqs
+
+    def check_memory_budget(self, budget: int) -> dict:
+        """Refuse (exit 2), before any cache is allocated, a cache configuration whose weights + caches + the largest
+        step's temporaries + the process's own memory would exceed `budget` bytes. The largest bucket is compiled
+        for it (XLA's memory analysis; the same executable then serves that step). Returns the estimate."""
+        weights = weight_bytes(self.params)
+        caches = cache_bytes({n: (t.bind(self.sizes), np_dtype(t.dtype)) for n, t in self.program.cache_types.items()})
+        tokens, rows = self.largest_step()
+        analysis = compiled_memory(self.program.executable(
+            self.params, cache_specs(self.program.cache_types, self.sizes), batch_specs(tokens, rows, self.sizes),
+            False)) or {}
+        temporaries = analysis.get("temporaries", 0)
+        # The process's own memory (the JAX runtime, XLA and the executables compiled so far): what is resident now
+        # beyond the weights' copies; weights used in place from a mapped file are not resident yet.
+        runtime = max(0, resident()["total"] - (weights["bytes"] - weights["mapped_bytes"]))
+        need = weights["bytes"] + sum(caches.values()) + temporaries + runtime
+        estimate = {"budget_bytes": budget, "needed_bytes": need, "weights_bytes": weights["bytes"], **caches,
+                    "temporaries_bytes": temporaries, "runtime_bytes": runtime}
+        if need > budget:
+            fixed = weights["bytes"] + runtime
+            seqs = f"{self.cache_cfg.max_seqs} sequence{'s' * (self.cache_cfg.max_seqs != 1)}"
+            advice = (f"the weights and the runtime alone need {gib(fixed)}: raise the budget (or compile with "
+                      "fewer layers or a smaller dtype)" if fixed > budget else
+                      "serve fewer or shorter sequences (--max-seqs / --max-context) or raise the budget")
+            raise UsageError(
+                f"{gib(need)} needed, over --memory-budget {gib(budget)}: weights {gib(weights['bytes'])}, KV pages "
+                f"{gib(caches['kv_pages'])} + GDN state {gib(caches['gdn_state'])} for {seqs} of "
+                f"{self.cache_cfg.max_context} tokens, temporaries {gib(temporaries)} (T{tokens} step), runtime "
+                f"{gib(runtime)}; {advice}")
+        return estimate
+
+    def memory(self, graph: Graph | None = None) -> dict:
+        """Where this engine's memory goes (runtime/memory.py): peak and current resident set, weight bytes (and
+        how many are used in place from a mapped file), cache bytes by kind, XLA's analysis of every bucket
+        compiled so far with the largest temporaries, and — given the step graph — its largest IR values at the
+        largest step."""
+        analyses = {label: stats for label, stats in self.program.compiled_buckets.labelled().items() if stats}
+        largest = max(analyses.items(), key=lambda item: item[1]["temporaries"], default=(None, None))
+        out = {"peak_rss_bytes": peak_rss(), "resident_bytes": resident(), "weights": weight_bytes(self.params),
+               "caches": cache_bytes({n: (a.shape, a.dtype) for n, a in self.caches.items()}),
+               "temporaries": {"largest_bytes": largest[1]["temporaries"] if largest[1] else None,
+                               "largest_bucket": largest[0], "buckets": analyses}}
+        if graph is not None:
+            tokens, rows = self.largest_step()
+            out["temporaries"]["largest_values"] = step_intermediates(graph, {**self.sizes, "T": tokens, "R": rows})
+        return out
 
     # -- sequences -------------------------------------------------------------------------------------------------
 

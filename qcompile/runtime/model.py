@@ -17,8 +17,9 @@ class LoadedModel:
     graph: Graph
     params: dict
 
-    def engine(self, cache: CacheConfig = CacheConfig(), target: str | None = None) -> Engine:
-        return Engine(self.graph, self.params, cache, target)
+    def engine(self, cache: CacheConfig = CacheConfig(), target: str | None = None,
+               memory_budget: int | None = None) -> Engine:
+        return Engine(self.graph, self.params, cache, target, memory_budget)
 
 
 def load_model(path, dtype: str | None = None, page_size: int = 16, gdn_mode: str = "auto",
