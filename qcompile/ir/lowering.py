@@ -95,3 +95,20 @@ def target_rules_used(graph: Graph, target: str) -> list[str]:
     if target == "reference":
         return []
     return sorted({node.op.op_name for node in graph.nodes() if (type(node.op), target) in LOWERINGS})
+
+
+def lower_on_mesh(graph: Graph, target: str = "reference", devices=None) -> Callable[[dict, dict], dict]:
+    """`fn(params, inputs) -> outputs` over the graph's mesh (meta["mesh"], ir/mesh.py): `lower(graph, target)` run
+    inside `jax.shard_map`, each parameter, input and output laid out by its type's sharding (whole where it has
+    none), so every op's rule sees one device's block and the collectives exchange blocks over the mesh axes."""
+    import jax
+
+    mesh = graph.meta.get("mesh")
+    if mesh is None:
+        raise QCompileError("the graph has no mesh (meta['mesh']); lower it with lower()")
+    spec = lambda type_: mesh.partition_spec(type_.sharding)  # noqa: E731
+    param_specs = {node.op.name: spec(node.op.type) for node in graph.find(Param)}
+    input_specs = {node.op.name: spec(node.op.type) for node in graph.find(Input)}
+    out_specs = {name: spec(graph.type_of(value)) for name, value in graph.outputs.items()}
+    return jax.shard_map(lower(graph, target), mesh=mesh.jax_mesh(devices), in_specs=(param_specs, input_specs),
+                         out_specs=out_specs, check_vma=False)

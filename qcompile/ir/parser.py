@@ -9,13 +9,15 @@ op names, attribute names — and reports each problem as one line `<source>:<li
 Grammar (one statement per line; blank lines and `//` comment lines are skipped anywhere):
 
     graph @<title> {
+      mesh {axes=[...], shape=[...], devices=[...], rules=[...]}   (optional, first: ir/mesh.py)
       %a = input "<name>" : <type>                       (also: param)
       %a, %b = <op>(%x, %y) {key=value, ...} : <type>, <type>
       return <name>=%a, ...
     }
 
 Attribute values: "strings" (\\ \" \n \t \r escapes), ints, floats (incl. inf/nan), true/false, None and [lists]
-(which become tuples). Types are TensorType text (`f32[T*2,96]`) split at commas outside brackets.
+(which become tuples). Types are TensorType text (`f32[T*2,96]`, sharded `f32[64,96]<experts,_>`) split at commas
+outside brackets.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from qcompile.errors import CheckpointError, one_line
 from qcompile.ir import ops as _ops  # noqa: F401  (registers the op catalogue)
 from qcompile.ir.builder import Builder
 from qcompile.ir.graph import Graph, Value
+from qcompile.ir.mesh import Mesh
 from qcompile.ir.ops.core import Input, Param
 from qcompile.ir.registry import OPS, TYPE_RULES, OpTypeError
 from qcompile.ir.types import parse_type
@@ -115,10 +118,10 @@ class _Line:
 
 
 def _split_types(text: str) -> list[str]:
-    """Split at commas outside [...] (types have commas inside their shapes)."""
+    """Split at commas outside [...] and <...> (types have commas inside their shapes and shardings)."""
     parts, depth, start = [], 0, 0
     for i, char in enumerate(text):
-        depth += (char == "[") - (char == "]")
+        depth += (char in "[<") - (char in "]>")
         if char == "," and depth == 0:
             parts.append(text[start:i])
             start = i + 1
@@ -147,6 +150,7 @@ def parse_graph(text: str, source: str = "<text>", meta: dict | None = None) -> 
     builder = Builder()
     values: dict[str, tuple[Value, int]] = {}  # %name -> (value, defining line)
     title = None
+    mesh = None
     returned = closed = False
     lineno = 0
 
@@ -170,6 +174,10 @@ def parse_graph(text: str, source: str = "<text>", meta: dict | None = None) -> 
             closed = True
         elif returned:
             fail(f"expected '}}' after the return line, got {stripped[:40]!r}")
+        elif stripped.startswith("mesh ") or stripped.startswith("mesh{"):
+            if mesh is not None or values:
+                fail("the mesh statement comes once, first in the graph")
+            mesh = _mesh(_Line(stripped, fail), fail)
         elif stripped == "return" or stripped.startswith("return "):
             for name, ref in _outputs(_Line(stripped[len("return"):], fail)):
                 if ref not in values:
@@ -185,7 +193,8 @@ def parse_graph(text: str, source: str = "<text>", meta: dict | None = None) -> 
         fail("expected 'graph @name {', got no graph")
     if not closed:
         fail("missing closing '}' at end of graph")
-    return builder.build({**(meta or {}), "name": title})
+    extra = {"mesh": mesh} if mesh is not None else {}
+    return builder.build({**(meta or {}), **extra, "name": title})
 
 
 def _outputs(line: _Line) -> list[tuple[str, str]]:
@@ -200,6 +209,34 @@ def _outputs(line: _Line) -> list[tuple[str, str]]:
         line.next("punct", "=")
         outputs.append((line.string(name) if kind == "str" else name, line.next("val", what="a %value")[1]))
     return outputs
+
+
+def _attributes(line: _Line, fail, what: str) -> dict:
+    """`key=value, ...}` after an opening '{' (keys unique)."""
+    attributes: dict = {}
+
+    def attribute():
+        key = line.next("name", what=f"a {what} name")[1]
+        line.next("punct", "=")
+        if key in attributes:
+            fail(f"{what} {key!r} given twice")
+        attributes[key] = line.value()
+
+    line.separated("}", attribute)
+    return attributes
+
+
+def _mesh(line: _Line, fail) -> Mesh:
+    """`mesh {axes=[...], shape=[...], devices=[...], rules=[[logical, mesh_axis, ...], ...]}`."""
+    line.next("name", "mesh")
+    line.next("punct", "{", "'{' after mesh")
+    attributes = _attributes(line, fail, "mesh attribute")
+    if line.peek() is not None:
+        fail(f"unexpected {line.rest()[:40]!r} after the mesh statement")
+    try:
+        return Mesh.from_attributes(attributes)
+    except (TypeError, ValueError) as err:
+        fail(f"bad mesh: {err}")
 
 
 def _statement(line: _Line, builder: Builder, values: dict, lineno: int, fail) -> None:
@@ -225,15 +262,7 @@ def _statement(line: _Line, builder: Builder, values: dict, lineno: int, fail) -
             operands.append(values[ref][0])
         if line.at("{"):
             line.next()
-
-            def attribute():
-                key = line.next("name", what="an attribute name")[1]
-                line.next("punct", "=")
-                if key in attributes:
-                    fail(f"attribute {key!r} given twice")
-                attributes[key] = line.value()
-
-            line.separated("}", attribute)
+            attributes = _attributes(line, fail, "attribute")
     line.next("punct", ":", "':' before the result types")
     type_text = line.rest()
     if not type_text:

@@ -63,6 +63,10 @@ class Namer:
 def print_graph(graph: Graph, title: str | None = None) -> str:
     namer = Namer()
     lines = [f"graph @{title or graph.meta.get('name', 'step')} {{"]
+    mesh = graph.meta.get("mesh")
+    if mesh is not None:
+        fields = ", ".join(f"{key}={format_attr(value)}" for key, value in mesh.attributes().items())
+        lines.append(f"  mesh {{{fields}}}")
     for node in graph.nodes():
         namer.assign(node)
         lines.append("  " + format_op(node, namer))

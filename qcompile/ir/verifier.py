@@ -2,7 +2,9 @@
 
 Checks: acyclic; every operand names an existing result; edges mirror operands; every op is registered and its
 stored result types equal what its type rule infers from its operands; inputs and params have unique names;
-outputs exist. Failures raise VerificationError (exit code 4) naming the node in text form.
+outputs exist. With shardings: every sharded value fits the graph's mesh (each logical axis has a rule, no mesh axis
+is used twice, every integer dim divides by its pieces), each collective runs over the mesh axes its logical axis
+maps to, and no output is a partial sum. Failures raise VerificationError (exit code 4) naming the node in text form.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import networkx as nx
 
 from qcompile.errors import VerificationError
 from qcompile.ir.graph import Graph
+from qcompile.ir.mesh import sharding_problems
 from qcompile.ir.ops.core import Input, Param
 from qcompile.ir.printer import describe_node
 from qcompile.ir.registry import LOWERINGS, OPS, OpTypeError, infer_types
@@ -18,6 +21,7 @@ from qcompile.ir.registry import LOWERINGS, OPS, OpTypeError, infer_types
 
 def verify(graph: Graph) -> None:
     dag = graph.dag
+    mesh = graph.meta.get("mesh")
     if not nx.is_directed_acyclic_graph(dag):
         cycle = nx.find_cycle(dag)
         raise VerificationError(f"graph has a cycle through nodes {[u for u, _ in cycle]}")
@@ -40,6 +44,15 @@ def verify(graph: Graph) -> None:
         if tuple(inferred) != tuple(node.types):
             shown = ", ".join(str(t) for t in inferred)
             raise VerificationError(f"result types do not match the type rule (expected {shown}): {where}")
+        for type_ in node.types:
+            for problem in sharding_problems(mesh, type_):
+                raise VerificationError(f"{problem}: {where}")
+        over = getattr(node.op, "over", None)
+        if over is not None and hasattr(node.op, "mesh_axes"):
+            expected = mesh.rule(over) if mesh is not None and over in dict(mesh.rules) else None
+            if tuple(node.op.mesh_axes) != expected:
+                raise VerificationError(f"collective over {over!r} runs on mesh axes {list(node.op.mesh_axes)}, "
+                                        f"but the mesh maps {over!r} to {list(expected or ())}: {where}")
         if isinstance(node.op, (Input, Param)):
             key = (node.op.op_name, node.op.name)
             if key in leaves:
@@ -48,3 +61,7 @@ def verify(graph: Graph) -> None:
     for name, value in graph.outputs.items():
         if value.node not in dag or value.index >= len(graph.node(value.node).types):
             raise VerificationError(f"output {name!r} refers to an undefined value {value}")
+        sharding = graph.type_of(value).sharding
+        if sharding is not None and sharding.partial:
+            raise VerificationError(f"output {name!r} is a partial sum over {list(sharding.partial)}; reduce it "
+                                    "(all_reduce or reduce_scatter) before it leaves the step")
