@@ -78,12 +78,16 @@ def test_round_trip_matches_checkpoint(built):
     for a, b in zip(got["prompt_logits"], want["prompt_logits"]):
         assert a.shape == b.shape
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b).max())
-    # Decode buckets (R = B) return token ids only: asking one for logits is a clear usage error.
+    # A step of T tokens uses R = min(T, B) logit rows; the (T, B) buckets with T > B return token ids only, and
+    # asking one for logits is a clear usage error. A one-token step uses (1, 1), which has logits.
     engine = art.engine()
     seq = engine.add_sequence()
+    assert len(PROMPTS[0]) > CACHE.max_seqs
     assert engine.step_tokens([(seq, PROMPTS[0])]) == [got["tokens"][0][0]]
+    (logits,) = engine.step([(seq, [got["tokens"][0][0]])])
+    assert int(np.argmax(logits)) == got["tokens"][0][1]
     with pytest.raises(UsageError, match="token ids only"):
-        engine.step([(seq, [got["tokens"][0][0]])])
+        engine.step([(seq, list(PROMPTS[0][:3]))])
 
 
 def test_manifest_contents(built):

@@ -201,7 +201,11 @@ class Engine:
             raise UsageError(f"{len(work)} sequences in one step; at most {self.cache_cfg.max_seqs}")
         total = sum(len(tokens) for _, tokens in work)
         num_tokens = self.program.token_bucket(max(total, 1))
-        rows = num_tokens if all_logits else self.cache_cfg.max_seqs
+        # Logit rows: every token slot (all_logits), else one per sequence — as few as the bucket allows: a T-token
+        # step has at most T sequences, so a step smaller than the slot count uses R = T (an artifact exports (T, T)
+        # for every T) instead of computing lm_head and greedy for max_seqs rows (one live sequence of a 32-slot
+        # artifact decoded at 26-28 tok/s with R = 32, 38-41 with R = 1).
+        rows = num_tokens if all_logits else min(num_tokens, self.cache_cfg.max_seqs)
         items = []
         for seq, tokens in work:
             self._reserve(seq, len(tokens))
