@@ -218,31 +218,37 @@ def _check_output_file(path: Path, flag: str) -> None:
 
 @cli.command("run", context_settings=CONTEXT)
 @click.argument("checkpoint", type=click.Path(path_type=Path))
-@click.option("--prompt-ids", required=True, help="Prompt token ids, comma-separated, e.g. 1,2,3.")
+@click.option("--prompt-ids", "prompt_ids", required=True, multiple=True,
+              help="Prompt token ids, comma-separated, e.g. 1,2,3. Give it again for more prompts: they are served "
+                   "together, one line (or JSON object) each, in order.")
 @click.option("--max-new-tokens", default=16, show_default=True, type=click.IntRange(min=1))
 @click.option("--dtype", type=click.Choice(["f32", "bf16"]), help="Compute dtype (default: the checkpoint's).")
 @click.option("--save-logits", type=click.Path(path_type=Path),
-              help="Save the prompt's logits, float32 [T, vocab], as .npy (to exactly this path).")
+              help="Save the prompt's logits, float32 [T, vocab], as .npy (to exactly this path; one prompt only).")
 @click.option("--ignore-eos", is_flag=True, help="Do not stop at the config's eos_token_id: generate --max-new-tokens.")
 @click.option("--memory-budget", metavar="SIZE", callback=_size_option,
               help="Refuse (exit 2), before allocating the caches, when weights + caches + the largest step's "
                    "temporaries + the runtime would exceed SIZE (e.g. 16GiB, 800MB).")
 @click.option("--json", "as_json", is_flag=True,
-              help="Print a machine-readable JSON result (with finish_reason and where the memory went).")
+              help="Print a machine-readable JSON result per prompt (with finish_reason and where the memory went).")
 def run_cmd(checkpoint, prompt_ids, max_new_tokens, dtype, save_logits, ignore_eos, memory_budget, as_json):
     """Greedy-generate from CHECKPOINT (or a compiled artifact directory) and print the new token ids.
 
     Generation stops after an EOS token (the config's eos_token_id; printed as the last token) or after
-    --max-new-tokens; --ignore-eos always generates --max-new-tokens.
+    --max-new-tokens; --ignore-eos always generates --max-new-tokens. Several --prompt-ids are generated together
+    in one batch (prefill and decode steps shared), each printed on its own line in the order given.
     """
     import numpy as np
 
     from qcompile.ir.abi import CacheConfig
     from qcompile.runtime.model import load_model
 
-    ids = _parse_ids(prompt_ids)
+    prompts = [_parse_ids(text) for text in prompt_ids]
     if save_logits is not None:
+        if len(prompts) > 1:
+            raise UsageError("--save-logits saves one prompt's logits; give one --prompt-ids with it")
         _check_output_file(save_logits, "--save-logits")  # before loading: never fail after generating
+    longest = max(len(ids) for ids in prompts)
     started = time.perf_counter()
     from qcompile.runtime.artifact import is_artifact, load_artifact
 
@@ -252,46 +258,50 @@ def run_cmd(checkpoint, prompt_ids, max_new_tokens, dtype, save_logits, ignore_e
         artifact = load_artifact(checkpoint)
         if artifact.weights_note:
             click.echo(artifact.weights_note, err=True)
+        limit = artifact.cache_config
+        if len(prompts) > limit.max_seqs:
+            raise UsageError(f"{len(prompts)} prompts, but the artifact serves at most {limit.max_seqs} sequences "
+                             "at once; recompile with a larger --max-seqs")
+        if longest + max_new_tokens > limit.max_context:
+            raise UsageError(f"prompt + new tokens ({longest + max_new_tokens}) exceed the artifact's max context "
+                             f"{limit.max_context}; recompile with a larger --max-context")
         eos_ids = tuple(artifact.config_json.get("eos_token_ids") or ())
         engine, vocab = artifact.engine(memory_budget), int(artifact.config_json["vocab_size"])
         graph = artifact.graph() if as_json else None
         family, graph_dtype = artifact.config_json["family"], artifact.manifest.get("compute_dtype")
-        limit = engine.cache_cfg.max_context
-        if len(ids) + max_new_tokens > limit:
-            raise UsageError(f"prompt + new tokens ({len(ids) + max_new_tokens}) exceed the artifact's max context "
-                             f"{limit}; recompile with a larger --max-context")
     else:
         model = load_model(checkpoint, dtype)
         model.checkpoint.warn_unknown()
         eos_ids = model.checkpoint.config.eos_token_ids
         vocab, family, graph_dtype = model.checkpoint.config.vocab_size, model.checkpoint.config.family, model.graph.meta["dtype"]
-        engine = model.engine(CacheConfig(max_seqs=1, max_context=len(ids) + max_new_tokens,
-                                          max_step_tokens=min(len(ids), 256)),
+        engine = model.engine(CacheConfig(max_seqs=len(prompts), max_context=longest + max_new_tokens,
+                                          max_step_tokens=min(sum(len(ids) for ids in prompts), 256)),
                               memory_budget=memory_budget)
         graph = model.graph
-    bad = [i for i in ids if not 0 <= i < vocab]
+    bad = [i for ids in prompts for i in ids if not 0 <= i < vocab]
     if bad:
         raise UsageError(f"prompt id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
     if ignore_eos:
         eos_ids = ()
     loaded = time.perf_counter()
-    result = engine.generate([ids], max_new_tokens, prompt_logits=save_logits is not None, eos_ids=eos_ids)
+    result = engine.generate(prompts, max_new_tokens, prompt_logits=save_logits is not None, eos_ids=eos_ids)
     done = time.perf_counter()
-    tokens, finish_reason = result["tokens"][0], result["finish_reasons"][0]
     if save_logits:
         try:
             with open(save_logits, "wb") as f:
                 np.save(f, np.asarray(result["prompt_logits"][0], np.float32))
         except OSError as err:
             raise UsageError(f"--save-logits {save_logits}: cannot write it ({err.strerror or err})") from None
-    if as_json:
-        click.echo(json.dumps({"prompt_ids": ids, "tokens": tokens, "finish_reason": finish_reason,
-                               "eos_token_ids": list(eos_ids), "dtype": graph_dtype, "family": family,
-                               "seconds": {"load": round(loaded - started, 3), "generate": round(done - loaded, 3),
-                                           "first_token": round(result["first_token_at"] - started, 3)},
-                               "memory": engine.memory(graph)}))
-    else:
-        click.echo(",".join(str(t) for t in tokens))
+    memory = engine.memory(graph) if as_json else None
+    for ids, tokens, finish_reason in zip(prompts, result["tokens"], result["finish_reasons"]):
+        if as_json:
+            click.echo(json.dumps({"prompt_ids": ids, "tokens": tokens, "finish_reason": finish_reason,
+                                   "eos_token_ids": list(eos_ids), "dtype": graph_dtype, "family": family,
+                                   "seconds": {"load": round(loaded - started, 3), "generate": round(done - loaded, 3),
+                                               "first_token": round(result["first_token_at"] - started, 3)},
+                                   "memory": memory}))
+        else:
+            click.echo(",".join(str(t) for t in tokens))
 
 
 @cli.command("init-tiny", context_settings=CONTEXT)

@@ -75,6 +75,37 @@ def test_run_json_is_machine_readable(tiny_dirs, capsys):
     assert [int(t) for t in plain.strip().split(",")] == result["tokens"]
 
 
+def test_several_prompts_are_served_together_and_each_matches_its_own_run(tiny_dirs, capsys, tmp_path):
+    """Two --prompt-ids of different lengths in one batch (shared prefill and decode steps, ragged) give, line by
+    line, the tokens each gives alone; on an artifact too, which refuses more prompts than its sequence slots."""
+    ckpt = tiny_dirs["qwen3_5_moe"]
+    prompts = ["1,2,3", "5,6,7,8,9,10,11"]
+    alone = []
+    for ids in prompts:
+        code, out, err = cli(capsys, "run", ckpt, "--prompt-ids", ids, "--max-new-tokens", 5, "--ignore-eos")
+        assert code == 0, err
+        alone.append(out.strip())
+    args = [a for ids in prompts for a in ("--prompt-ids", ids)]
+    code, out, err = cli(capsys, "run", ckpt, *args, "--max-new-tokens", 5, "--ignore-eos")
+    assert code == 0, err
+    assert out.strip().splitlines() == alone and alone[0] != alone[1]
+    code, out, _ = cli(capsys, "run", ckpt, *args, "--max-new-tokens", 5, "--ignore-eos", "--json")
+    lines = [json.loads(line) for line in out.strip().splitlines()]
+    assert [r["prompt_ids"] for r in lines] == [[1, 2, 3], [5, 6, 7, 8, 9, 10, 11]]
+    assert [",".join(map(str, r["tokens"])) for r in lines] == alone
+    art = tmp_path / "art"
+    code, _, err = cli(capsys, ckpt, "--passes", "none", "--verify", "none", "-o", art, "--max-seqs", 2,
+                       "--max-context", 32)
+    assert code == 0, err
+    code, out, err = cli(capsys, "run", art, *args, "--max-new-tokens", 5, "--ignore-eos")
+    assert code == 0, err
+    assert out.strip().splitlines() == alone
+    code, _, err = cli(capsys, "run", art, *args, "--prompt-ids", "4", "--max-new-tokens", 5)
+    assert code == 2 and "3 prompts, but the artifact serves at most 2 sequences" in err
+    code, _, err = cli(capsys, "run", ckpt, *args, "--save-logits", tmp_path / "x.npy")
+    assert code == 2 and "--save-logits saves one prompt's logits" in err
+
+
 @pytest.mark.parametrize("argv, needle", [
     (["--passes", "no-such-pass", "{ckpt}"], "unknown pass 'no-such-pass'"),
     (["run", "{ckpt}", "--prompt-ids", "1,x"], "comma-separated integers"),
