@@ -1,0 +1,139 @@
+"""Continuous batching: requests arrive and finish at different times; every engine step mixes the running
+requests' decode tokens with prefill chunks of newly admitted ones, under a token budget.
+
+Why: lock-step generation (`Engine.generate`) holds a batch until its longest request ends and admits nothing
+meanwhile; served workloads keep the batch full instead. Policy, per step:
+
+    1. admit waiting requests, oldest first, while a sequence slot is free and the KV pool can hold the request's
+       whole context (prompt + max new tokens: reserved at admission, so a running request never runs out of pages
+       and nothing is preempted);
+    2. one decode token for every request whose prompt is in the cache;
+    3. the remaining budget (`max_step_tokens` of the engine's cache configuration) goes to prompt chunks, oldest
+       request first;
+    4. one engine step (greedy on the device; only token ids come back); a request whose last prompt chunk or decode
+       token ran gets its next token, and finishes on a stop id or at its max new tokens, freeing its slot and pages.
+
+`Scheduler.stream(requests)` yields `(request, token)` as tokens are made; `run` returns every request finished.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Iterable, Iterator
+
+import attrs
+
+from qcompile.errors import UsageError
+from qcompile.runtime.engine import Engine, Sequence
+
+
+@attrs.define(eq=False)
+class Request:
+    prompt: list[int]
+    max_new_tokens: int
+    stop_ids: tuple[int, ...] = ()
+    id: object = None
+    tokens: list[int] = attrs.Factory(list)
+    finish_reason: str | None = None  # "stop" (a stop id, included in tokens) or "length"
+    submitted_at: float | None = None
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    seq: Sequence | None = None
+    prefilled: int = 0  # prompt tokens already in the cache
+
+
+class Scheduler:
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.budget = engine.cache_cfg.max_step_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.steps = 0
+
+    def _pages(self, request: Request) -> int:
+        return math.ceil((len(request.prompt) + request.max_new_tokens) / self.engine.page_size)
+
+    def submit(self, request: Request) -> None:
+        """Queue a request; refuses (exit 2) one that could never be served by this engine."""
+        if not request.prompt or request.max_new_tokens < 1:
+            raise UsageError("a request needs a non-empty prompt and max_new_tokens >= 1")
+        total = len(request.prompt) + request.max_new_tokens
+        if total > self.engine.cache_cfg.max_context:
+            raise UsageError(f"request {request.id!r}: {total} tokens exceed the max context "
+                             f"{self.engine.cache_cfg.max_context}")
+        if self._pages(request) > self.engine.sizes["P"]:
+            raise UsageError(f"request {request.id!r} needs {self._pages(request)} KV pages; the pool has "
+                             f"{self.engine.sizes['P']}")
+        request.submitted_at = time.perf_counter()
+        self.waiting.append(request)
+
+    def _reserved(self) -> int:
+        """Pages promised to running requests beyond those they already hold."""
+        return sum(self._pages(r) - len(r.seq.pages) for r in self.running)
+
+    def _admit(self) -> None:
+        while self.waiting and self.engine.free_slots:
+            request = self.waiting[0]
+            if self._pages(request) > len(self.engine.free_pages) - self._reserved():
+                break  # oldest first: later requests wait behind it rather than starve it
+            self.waiting.popleft()
+            request.seq = self.engine.add_sequence()
+            self.running.append(request)
+
+    def step(self) -> list[tuple[Request, int]]:
+        """One engine step; returns the (request, new token) pairs it made (empty when nothing is left to do)."""
+        self._admit()
+        work, owners, left = [], [], self.budget
+        for request in self.running:
+            if request.prefilled == len(request.prompt) and left > 0:
+                work.append((request.seq, [request.tokens[-1]]))
+                owners.append((request, True))
+                left -= 1
+        for request in self.running:
+            rest = len(request.prompt) - request.prefilled
+            if rest and left > 0:
+                take = min(rest, left)
+                work.append((request.seq, request.prompt[request.prefilled:request.prefilled + take]))
+                request.prefilled += take
+                owners.append((request, request.prefilled == len(request.prompt)))
+                left -= take
+        if not work:
+            return []
+        nexts = self.engine.step_tokens(work)
+        self.steps += 1
+        now = time.perf_counter()
+        made = []
+        for (request, emits), token in zip(owners, nexts):
+            if not emits:
+                continue
+            request.tokens.append(token)
+            request.first_token_at = request.first_token_at or now
+            made.append((request, token))
+            if token in request.stop_ids:
+                request.finish_reason = "stop"
+            elif len(request.tokens) >= request.max_new_tokens:
+                request.finish_reason = "length"
+            if request.finish_reason:
+                request.finished_at = now
+                self.engine.release(request.seq)
+                request.seq = None
+                self.running.remove(request)
+        return made
+
+    def stream(self, requests: Iterable[Request] = ()) -> Iterator[tuple[Request, int]]:
+        """Submit `requests` and step until every submitted request has finished, yielding tokens as they come."""
+        for request in requests:
+            self.submit(request)
+        while self.waiting or self.running:
+            made = self.step()
+            if not made and not self.running and self.waiting:
+                raise UsageError("the waiting requests can never be admitted (too few sequence slots or pages)")
+            yield from made
+
+    def run(self, requests: Iterable[Request]) -> list[Request]:
+        requests = list(requests)
+        for _ in self.stream(requests):
+            pass
+        return requests

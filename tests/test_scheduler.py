@@ -1,0 +1,74 @@
+"""Continuous batching: requests of different lengths, more than the engine's sequence slots, arriving while others
+run, each get exactly the tokens they get alone; slots and pages are all free at the end; a request is never
+admitted without the pages its whole context needs; what can never be served is refused up front."""
+
+from __future__ import annotations
+
+import pytest
+
+from qcompile.errors import UsageError
+from qcompile.ir.abi import CacheConfig
+from qcompile.runtime.scheduler import Request, Scheduler
+
+PROMPTS = [[3, 17, 42, 9, 250], [(7 * i + 5) % 500 + 3 for i in range(23)], [11, 12], [400, 3, 99, 7, 7, 7, 2]]
+NEW = [6, 3, 9, 4]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory, qc_model):
+    from conftest import write_small
+
+    return qc_model(write_small(tmp_path_factory.mktemp("sched") / "m", seed=5))
+
+
+@pytest.fixture(scope="module")
+def alone(model):
+    """Each prompt's greedy tokens generated on its own."""
+    engine = model.engine(CacheConfig(max_seqs=1, max_context=64, max_step_tokens=8))
+    return [engine.generate([p], n)["tokens"][0] for p, n in zip(PROMPTS, NEW)]
+
+
+def test_requests_beyond_the_slots_queue_and_each_gets_its_own_tokens(model, alone):
+    engine = model.engine(CacheConfig(max_seqs=2, max_context=64, max_step_tokens=8))
+    scheduler = Scheduler(engine)
+    requests = [Request(p, n, id=i) for i, (p, n) in enumerate(zip(PROMPTS, NEW))]
+    streamed: dict[int, list[int]] = {i: [] for i in range(len(requests))}
+    for request, token in scheduler.stream(requests):
+        streamed[request.id].append(token)
+        assert len(scheduler.running) <= 2
+    assert [r.tokens for r in requests] == alone == [streamed[i] for i in range(len(requests))]
+    assert all(r.finish_reason == "length" for r in requests)
+    assert all(r.submitted_at <= r.first_token_at <= r.finished_at for r in requests)
+    assert sorted(engine.free_slots) == [0, 1] and len(engine.free_pages) == engine.sizes["P"]
+    # chunked prefill of the 23-token prompt under an 8-token budget, mixed with decodes: more steps than one
+    # request alone would take, fewer than all of them one after another
+    assert max(NEW) + 3 <= scheduler.steps < sum(NEW) + sum(-(-len(p) // 8) for p in PROMPTS)
+
+
+def test_a_stop_id_ends_a_request_and_frees_its_slot_for_the_next(model, alone):
+    engine = model.engine(CacheConfig(max_seqs=1, max_context=64, max_step_tokens=8))
+    stop = alone[0][2]
+    first, second = Request(PROMPTS[0], NEW[0], stop_ids=(stop,)), Request(PROMPTS[2], NEW[2])
+    Scheduler(engine).run([first, second])
+    assert first.finish_reason == "stop" and first.tokens == alone[0][:alone[0].index(stop) + 1]
+    assert second.tokens == alone[2] and second.finish_reason == "length"
+
+
+def test_admission_reserves_the_whole_context_so_no_request_runs_out_of_pages(model, alone):
+    # 6 pages of 16 tokens: the 23-token prompt + 3 new needs 2, the others 1 each; with 3 slots but only 3 pages
+    # left after the big one, admission must wait for pages, not fail mid-generation.
+    engine = model.engine(CacheConfig(max_seqs=3, max_context=64, num_pages=3, max_step_tokens=8))
+    requests = [Request(p, n) for p, n in zip(PROMPTS, NEW)]
+    Scheduler(engine).run(requests)
+    assert [r.tokens for r in requests] == alone
+
+
+def test_what_can_never_be_served_is_refused_when_submitted(model):
+    engine = model.engine(CacheConfig(max_seqs=1, max_context=32, num_pages=1, max_step_tokens=8))
+    scheduler = Scheduler(engine)
+    with pytest.raises(UsageError, match="exceed the max context 32"):
+        scheduler.submit(Request(list(range(3, 30)), 10))
+    with pytest.raises(UsageError, match="needs 2 KV pages; the pool has 1"):
+        scheduler.submit(Request(list(range(3, 20)), 2))
+    with pytest.raises(UsageError, match="non-empty prompt"):
+        scheduler.submit(Request([], 2))
