@@ -346,6 +346,9 @@ def init_tiny_cmd(directory, family, preset, seed, dtype, sparse, force):
 @click.option("--concurrency", default="1,8,32", show_default=True, metavar="C1,C2,...",
               help="Concurrent requests (one run per value).")
 @click.option("--num-prompts", type=int, metavar="M", help="Requests per concurrency (default: one wave of C).")
+@click.option("--request-rate", type=float, metavar="R",
+              help="Requests arrive R per second (Poisson, seeded; inf: all at once) and are served by continuous "
+                   "batching, at most C at a time, instead of in lock-step waves.")
 @click.option("--passes", "passes_spec", default=None, metavar="SPEC", help="Passes of the build (default all).")
 @click.option("--compare", multiple=True, type=click.Choice(["transformers"]),
               help="Also run Hugging Face transformers eager on the same checkpoint, prompts and threads.")
@@ -359,8 +362,8 @@ def init_tiny_cmd(directory, family, preset, seed, dtype, sparse, force):
               help="Refuse (exit 2) a concurrency whose weights + caches + temporaries + runtime exceed SIZE.")
 @click.option("--json", "json_path", type=click.Path(path_type=Path), help="Write the results (docs/benchmarks.md schema).")
 @click.option("--plot", "plot_path", type=click.Path(path_type=Path), help="Write a PNG bar chart (needs matplotlib).")
-def bench_cmd(source, workload, scale, input_len, output_len, concurrency, num_prompts, passes_spec, compare, ablate,
-              dtype, max_step_tokens, verify, seed, memory_budget, json_path, plot_path):
+def bench_cmd(source, workload, scale, input_len, output_len, concurrency, num_prompts, request_rate, passes_spec,
+              compare, ablate, dtype, max_step_tokens, verify, seed, memory_budget, json_path, plot_path):
     """Measure prefill/decode throughput, latency and % of roofline of CHECKPOINT (or an artifact)."""
     from qcompile.compiler.bench import BenchOptions, run_bench
 
@@ -371,7 +374,8 @@ def bench_cmd(source, workload, scale, input_len, output_len, concurrency, num_p
     opts = BenchOptions(source=source, workload=workload, input_len=input_len, output_len=output_len, scale=scale,
                         concurrency=levels, num_prompts=num_prompts, passes=passes_spec, compare=tuple(compare),
                         ablate=ablate, json_path=json_path, plot_path=plot_path, seed=seed, dtype=dtype,
-                        max_step_tokens=max_step_tokens, verify=verify, memory_budget=memory_budget)
+                        max_step_tokens=max_step_tokens, verify=verify, memory_budget=memory_budget,
+                        request_rate=request_rate)
     run_bench(opts, emit=click.echo)
 
 

@@ -13,7 +13,7 @@ import pytest
 from qcompile.cli import main
 from qcompile.compiler import bench as bench_mod
 from qcompile.compiler.bench import BenchOptions, ablation_specs, run_bench
-from qcompile.compiler.measure import Roofline, workload_shape
+from qcompile.compiler.measure import workload_shape
 from qcompile.errors import UsageError
 from qcompile.frontend.checkpoint import Checkpoint
 from qcompile.frontend.tiny import write_tiny
@@ -148,3 +148,36 @@ def test_compare_without_transformers_is_a_clear_line(tiny, capsys, monkeypatch)
     with pytest.raises(SystemExit) as exit_:
         main(["bench", str(tiny), "--compare", "transformers"])
     assert exit_.value.code == 2 and "needs transformers" in capsys.readouterr().err
+
+
+def test_requests_arriving_at_a_rate_are_served_by_continuous_batching(tiny):
+    """--request-rate: 5 requests arriving at 50/s, at most 2 at once, through the scheduler; every request completes
+    with output_len tokens, TTFT counts from its arrival, and prefill/decode tok/s are not claimed (mixed steps)."""
+    opts = BenchOptions(source=tiny, input_len=6, output_len=5, concurrency=(2,), num_prompts=5, request_rate=50.0,
+                        verify="none")
+    result = run_bench(opts, emit=lambda line: None)
+    (run,) = result["runs"]
+    assert result["request_rate"] == 50.0
+    assert run["requests"] == 5 and run["complete"]
+    assert run["output_tok_s"] * run["measured_seconds"]["duration"] == pytest.approx(5 * 5)
+    assert run["prefill_tok_s"] is None and run["decode_tok_s"] is None
+    assert run["ttft_ms"]["mean"] > 0 and run["tpot_ms"]["mean"] > 0
+    assert run["measured_seconds"]["warmup"] > 0  # every bucket compiled before the first arrival
+
+
+def test_arrivals_are_a_seeded_poisson_process():
+    from qcompile.compiler.measure import arrival_times
+
+    times = arrival_times(20000, 4.0, seed=1)
+    assert times[0] == 0.0 and times == arrival_times(20000, 4.0, seed=1) != arrival_times(20000, 4.0, seed=2)
+    gaps = np.diff(times)
+    assert gaps.min() >= 0 and gaps.mean() == pytest.approx(0.25, rel=0.03)
+    assert np.std(gaps) == pytest.approx(0.25, rel=0.05)  # exponential: the spread equals the mean
+    assert arrival_times(3, math.inf, seed=0) == [0.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("changes, message", [({"request_rate": 0.0}, "must be positive"),
+                                              ({"request_rate": 5.0, "compare": ("transformers",)}, "lock-step")])
+def test_request_rate_options_are_checked(tiny, changes, message):
+    with pytest.raises(UsageError, match=message):
+        run_bench(BenchOptions(source=tiny, **changes), emit=lambda line: None)

@@ -20,8 +20,9 @@ import attrs
 import numpy as np
 
 import qcompile
-from qcompile.compiler.measure import (SCHEMA_VERSION, Roofline, bench_engine, bench_transformers, load_transformers,
-                                       log, make_prompts, measure_ceilings, transformers_available, workload_shape)
+from qcompile.compiler.measure import (SCHEMA_VERSION, Roofline, bench_engine, bench_engine_rate, bench_transformers,
+                                       load_transformers, log, make_prompts, measure_ceilings, transformers_available,
+                                       workload_shape)
 from qcompile.errors import UsageError
 from qcompile.ir.abi import CacheConfig
 from qcompile.ir.lowering import host_target
@@ -49,6 +50,7 @@ class BenchOptions:
     max_step_tokens: int = 512
     verify: str = "final"
     memory_budget: int | None = None  # bytes; each engine refuses a cache configuration that would not fit
+    request_rate: float | None = None  # requests/s arriving (Poisson) through the scheduler; None: waves
 
 
 @attrs.define
@@ -86,6 +88,12 @@ def _check_outputs(opts: BenchOptions) -> None:
         raise UsageError(f"--compare {unknown[0]!r} is not supported; choose {', '.join(COMPARE_CHOICES)}")
     if "transformers" in opts.compare and (reason := transformers_available()):
         raise UsageError(reason)
+    if opts.request_rate is not None:
+        if not opts.request_rate > 0:
+            raise UsageError(f"--request-rate must be positive (or inf), got {opts.request_rate}")
+        if opts.compare:
+            raise UsageError("--compare transformers serves in lock-step waves (transformers eager has no continuous "
+                             "batching here); measure it without --request-rate")
 
 
 def _builds_from_checkpoint(opts: BenchOptions, emit):
@@ -170,7 +178,8 @@ def run_bench(opts: BenchOptions, emit=print) -> dict:
     report = {
         "schema_version": SCHEMA_VERSION, "qcompile_version": qcompile.__version__, "command": sys.argv[1:],
         "source": str(opts.source), "workload": opts.workload, "shape": shape_note, "input_len": input_len,
-        "output_len": output_len, "dtype": dtype, "lowering": target, "machine": ceilings,
+        "output_len": output_len, "request_rate": opts.request_rate, "dtype": dtype, "lowering": target,
+        "machine": ceilings,
         "setup_seconds": round(setup_seconds, 3),
         "builds": [{"label": b.label, "passes": b.passes, "check": b.check} for b in builds], "runs": runs}
     hf_model = None
@@ -187,8 +196,12 @@ def run_bench(opts: BenchOptions, emit=print) -> dict:
                 reset_peak()
                 engine = _engine(art if artifact else None, build, params, cache, target, opts.memory_budget)
                 roofline = Roofline(build.graph, engine.sizes, ceilings, dtype)
-                m = bench_engine(engine, "qcompile", build.label, prompts, output_len, concurrency, roofline,
-                                 build.graph, target, lambda: None)
+                if opts.request_rate is not None:
+                    m = bench_engine_rate(engine, "qcompile", build.label, prompts, output_len, concurrency,
+                                          opts.request_rate, opts.seed, lambda: None)
+                else:
+                    m = bench_engine(engine, "qcompile", build.label, prompts, output_len, concurrency, roofline,
+                                     build.graph, target, lambda: None)
                 experts = experts or m.experts_touched
                 runs.append({**m.to_json(), "memory": engine.memory(build.graph)})
                 _progress(runs[-1])

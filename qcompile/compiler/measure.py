@@ -21,7 +21,6 @@ thread count; `--ablate` builds none, all, all minus each pass and none plus eac
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import sys
@@ -34,7 +33,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from qcompile.errors import UsageError
-from qcompile.ir.abi import CacheConfig
 from qcompile.ir.cost import StepShape, step_cost
 from qcompile.ir.graph import Graph
 from qcompile.ir.lowering import lower
@@ -229,6 +227,58 @@ def bench_engine(engine, label: str, passes: str, prompts: list[list[int]], outp
     finally:
         m.duration = time.perf_counter() - started
         m.experts_touched = {k: v for k, v in probes.items() if v is not None}
+    return m
+
+
+def arrival_times(num: int, rate: float, seed: int) -> list[float]:
+    """Seconds after the start at which each of `num` requests arrives: a Poisson process of `rate` requests/s (the
+    first at 0); all at 0 for an infinite rate."""
+    if math.isinf(rate):
+        return [0.0] * num
+    gaps = np.random.default_rng(seed).exponential(1.0 / rate, num)
+    gaps[0] = 0.0
+    return np.cumsum(gaps).tolist()
+
+
+def bench_engine_rate(engine, label: str, passes: str, prompts: list[list[int]], output_len: int, concurrency: int,
+                      rate: float, seed: int, stop) -> Measurement:
+    """Serve `prompts` as requests arriving at `rate` per second (Poisson, seeded) through the continuous-batching
+    scheduler (runtime/scheduler.py): at most `concurrency` run at once, the others wait; each request's TTFT runs
+    from its arrival. Every token bucket is compiled first (untimed), so no compile lands inside the run. Steps mix
+    prefill chunks and decode tokens, so prefill and decode tok/s are not separable here (reported as null)."""
+    from qcompile.runtime.scheduler import Request, Scheduler
+
+    m = Measurement(label, passes, concurrency, len(prompts[0]), output_len)
+    warm_started = time.perf_counter()
+    engine.compile_all_buckets()
+    m.warmup_seconds = time.perf_counter() - warm_started
+    arrivals = arrival_times(len(prompts), rate, seed)
+    requests = [Request(list(p), output_len, id=i) for i, p in enumerate(prompts)]
+    token_times: dict[int, list[float]] = {i: [] for i in range(len(requests))}
+    scheduler = Scheduler(engine)
+    start = time.perf_counter()
+    submitted = 0
+    try:
+        while submitted < len(requests) or scheduler.waiting or scheduler.running:
+            now = time.perf_counter() - start
+            while submitted < len(requests) and arrivals[submitted] <= now:
+                scheduler.submit(requests[submitted])
+                submitted += 1
+            if not scheduler.waiting and not scheduler.running:
+                time.sleep(max(0.0, min(arrivals[submitted] - now, 1.0)))
+                continue
+            for request, _ in scheduler.step():
+                token_times[request.id].append(time.perf_counter())
+            stop()
+    except KeyboardInterrupt:
+        m.complete = False
+        raise
+    finally:
+        m.duration = time.perf_counter() - start
+        for request, times in zip(requests, token_times.values()):
+            if request.finish_reason is not None:
+                arrived = start + arrivals[request.id]
+                m.request(times[0] - arrived, times, arrived)
     return m
 
 

@@ -122,6 +122,17 @@ class Engine:
         return self.program.token_bucket(max(self.cache_cfg.max_step_tokens, self.cache_cfg.max_seqs)), \
             self.cache_cfg.max_seqs
 
+    def compile_all_buckets(self) -> None:
+        """Compile, ahead of any step, every bucket a step without prompt logits can use: T = 1, 2, 4, ... up to the
+        largest step, with min(T, max_seqs) logit rows (so a server's first requests do not wait for XLA)."""
+        tokens, _ = self.largest_step()
+        caches = cache_specs(self.program.cache_types, self.sizes)
+        t = 1
+        while t <= tokens:
+            self.program.executable(self.params, caches, batch_specs(t, min(t, self.cache_cfg.max_seqs), self.sizes),
+                                    False)
+            t *= 2
+
     def check_memory_budget(self, budget: int) -> dict:
         """Refuse (exit 2), before any cache is allocated, a cache configuration whose weights + caches + the largest
         step's temporaries + the process's own memory would exceed `budget` bytes. The largest bucket is compiled
