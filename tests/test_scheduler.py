@@ -1,6 +1,6 @@
 """Continuous batching: requests of different lengths, more than the engine's sequence slots, arriving while others
-run, each get exactly the tokens they get alone; slots and pages are all free at the end; a request is never
-admitted without the pages its whole context needs; what can never be served is refused up front."""
+run, each get exactly the tokens they get alone; slots and pages are all free at the end; when pages run out the
+youngest request is preempted and recomputed, with the same tokens; what can never be served is refused up front."""
 
 from __future__ import annotations
 
@@ -54,13 +54,20 @@ def test_a_stop_id_ends_a_request_and_frees_its_slot_for_the_next(model, alone):
     assert second.tokens == alone[2] and second.finish_reason == "length"
 
 
-def test_admission_reserves_the_whole_context_so_no_request_runs_out_of_pages(model, alone):
-    # 6 pages of 16 tokens: the 23-token prompt + 3 new needs 2, the others 1 each; with 3 slots but only 3 pages
-    # left after the big one, admission must wait for pages, not fail mid-generation.
-    engine = model.engine(CacheConfig(max_seqs=3, max_context=64, num_pages=3, max_step_tokens=8))
-    requests = [Request(p, n) for p, n in zip(PROMPTS, NEW)]
+def test_when_pages_run_out_the_youngest_request_is_preempted_and_recomputed(model):
+    """Three requests of 10 + 12 tokens (two 16-token pages each at the end) in a pool of 4 pages: all three are
+    admitted on their prompts' pages, and when their decodes cross into a second page only two fit — the youngest is
+    preempted, fed again from scratch (prompt + its tokens so far) when pages free up, and still makes exactly the
+    tokens it makes alone. A plausible mistake (feeding only the prompt again, or losing the last token) changes them."""
+    prompts = [[(13 * i + 7 * r) % 490 + 5 for i in range(10)] for r in range(3)]
+    single = model.engine(CacheConfig(max_seqs=1, max_context=32, max_step_tokens=8))
+    alone = [single.generate([p], 12)["tokens"][0] for p in prompts]
+    engine = model.engine(CacheConfig(max_seqs=3, max_context=32, num_pages=4, max_step_tokens=8))
+    requests = [Request(p, 12, id=i) for i, p in enumerate(prompts)]
     Scheduler(engine).run(requests)
     assert [r.tokens for r in requests] == alone
+    assert requests[0].preemptions == 0 and sum(r.preemptions for r in requests) >= 1
+    assert sorted(engine.free_slots) == [0, 1, 2] and len(engine.free_pages) == 4
 
 
 def test_what_can_never_be_served_is_refused_when_submitted(model):

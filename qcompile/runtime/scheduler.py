@@ -4,12 +4,13 @@ requests' decode tokens with prefill chunks of newly admitted ones, under a toke
 Why: lock-step generation (`Engine.generate`) holds a batch until its longest request ends and admits nothing
 meanwhile; served workloads keep the batch full instead. Policy, per step:
 
-    1. admit waiting requests, oldest first, while a sequence slot is free and the KV pool can hold the request's
-       whole context (prompt + max new tokens: reserved at admission, so a running request never runs out of pages
-       and nothing is preempted);
-    2. one decode token for every request whose prompt is in the cache;
-    3. the remaining budget (`max_step_tokens` of the engine's cache configuration) goes to prompt chunks, oldest
-       request first;
+    1. admit waiting requests, oldest first, while a sequence slot is free and the KV pool has pages for what the
+       request must feed now (its prompt, and one more token) — not for its whole future context;
+    2. plan one decode token for every request whose prompt is in the cache, then prompt chunks, oldest request
+       first, with the rest of the budget (`max_step_tokens` of the engine's cache configuration);
+    3. when the plan needs more new pages than are free, preempt the youngest running request — its slot and pages
+       go back, and it waits at the head of the queue to be fed again from scratch (prompt + the tokens it already
+       made: preemption by recompute, as vLLM does) — and plan again;
     4. one engine step (greedy on the device; only token ids come back); a request whose last prompt chunk or decode
        token ran gets its next token, and finishes on a stop id or at its max new tokens, freeing its slot and pages.
 
@@ -41,7 +42,9 @@ class Request:
     first_token_at: float | None = None
     finished_at: float | None = None
     seq: Sequence | None = None
-    prefilled: int = 0  # prompt tokens already in the cache
+    feed: list[int] | None = None  # what must be in the cache before decoding: the prompt (+ made tokens after a
+    prefilled: int = 0             # preemption); how much of it is
+    preemptions: int = 0
 
 
 class Scheduler:
@@ -69,43 +72,66 @@ class Scheduler:
         request.submitted_at = time.perf_counter()
         self.waiting.append(request)
 
-    def _reserved(self) -> int:
-        """Pages promised to running requests beyond those they already hold."""
-        return sum(self._pages(r) - len(r.seq.pages) for r in self.running)
+    def _new_pages(self, request: Request, tokens: int) -> int:
+        """Pages `request` must take from the pool to add `tokens` tokens to its cache."""
+        held = len(request.seq.pages) if request.seq is not None else 0
+        length = request.seq.length if request.seq is not None else 0
+        return max(0, math.ceil((length + tokens) / self.engine.page_size) - held)
 
     def _admit(self) -> None:
         while self.waiting and self.engine.free_slots:
             request = self.waiting[0]
-            if self._pages(request) > len(self.engine.free_pages) - self._reserved():
+            if request.feed is None:
+                request.feed = list(request.prompt)
+            # pages the running requests' next decode tokens will take come first
+            spare = len(self.engine.free_pages) - sum(self._new_pages(r, 1) for r in self.running
+                                                      if r.prefilled == len(r.feed))
+            if math.ceil((len(request.feed) + 1) / self.engine.page_size) > spare:
                 break  # oldest first: later requests wait behind it rather than starve it
             self.waiting.popleft()
             request.seq = self.engine.add_sequence()
             self.running.append(request)
 
+    def _preempt(self, request: Request) -> None:
+        self.engine.release(request.seq)
+        request.seq, request.prefilled, request.preemptions = None, 0, request.preemptions + 1
+        request.feed = list(request.prompt) + list(request.tokens)
+        self.running.remove(request)
+        self.waiting.appendleft(request)
+
+    def _plan(self) -> list[tuple[Request, list[int], bool]]:
+        """(request, tokens to feed, whether its next token comes out) for one step under the budget."""
+        plan, left = [], self.budget
+        for request in self.running:
+            if request.prefilled == len(request.feed) and left > 0:
+                plan.append((request, [request.tokens[-1]], True))
+                left -= 1
+        for request in self.running:
+            rest = len(request.feed) - request.prefilled
+            if rest and left > 0:
+                take = min(rest, left)
+                plan.append((request, request.feed[request.prefilled:request.prefilled + take], take == rest))
+                left -= take
+        return plan
+
     def step(self) -> list[tuple[Request, int]]:
         """One engine step; returns the (request, new token) pairs it made (empty when nothing is left to do)."""
         self._admit()
-        work, owners, left = [], [], self.budget
-        for request in self.running:
-            if request.prefilled == len(request.prompt) and left > 0:
-                work.append((request.seq, [request.tokens[-1]]))
-                owners.append((request, True))
-                left -= 1
-        for request in self.running:
-            rest = len(request.prompt) - request.prefilled
-            if rest and left > 0:
-                take = min(rest, left)
-                work.append((request.seq, request.prompt[request.prefilled:request.prefilled + take]))
-                request.prefilled += take
-                owners.append((request, request.prefilled == len(request.prompt)))
-                left -= take
-        if not work:
+        plan = self._plan()
+        while len(self.running) > 1 and sum(self._new_pages(r, len(t)) for r, t, _ in plan) > len(
+                self.engine.free_pages):
+            self._preempt(self.running[-1])
+            plan = self._plan()
+        if not plan:
             return []
-        nexts = self.engine.step_tokens(work)
+        for request, tokens, _ in plan:
+            if request.prefilled < len(request.feed):
+                request.prefilled += len(tokens)
+        nexts = self.engine.step_tokens([(request.seq, tokens) for request, tokens, _ in plan])
         self.steps += 1
         now = time.perf_counter()
         made = []
-        for (request, emits), token in zip(owners, nexts):
+        for (request, _, emits), token in zip(plan, nexts):
             if not emits:
                 continue
             request.tokens.append(token)
