@@ -29,8 +29,8 @@ from qcompile.ir.graph import Graph
 from qcompile.ir.lowering import host_target, step_function
 from qcompile.ir.types import np_dtype
 from qcompile.kernels import native
-from qcompile.runtime.memory import (CompiledBuckets, cache_bytes, compiled_memory, gib, peak_rss, resident, step_intermediates,
-                                     weight_bytes)
+from qcompile.runtime.memory import (CompiledBuckets, cache_bytes, compiled_memory, gib, peak_rss, resident,
+                                     step_intermediates, weight_bytes)
 
 ZERO_SLOT = "qcompile_zero_slot"
 
