@@ -79,5 +79,8 @@ def _release_compiled_executables():
 
     import jax
 
+    from qcompile.runtime.memory import clear_compiled
+
     jax.clear_caches()
+    clear_compiled()
     gc.collect()

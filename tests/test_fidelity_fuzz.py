@@ -194,7 +194,10 @@ def run_case(case: dict, tmp_path_factory) -> None:
         hf_oracle.clear_cache()
         import jax
 
+        from qcompile.runtime.memory import clear_compiled
+
         jax.clear_caches()  # every example compiles new shapes: keep the process's executable mappings bounded
+        clear_compiled()
         gc.collect()
 
 

@@ -114,7 +114,10 @@ def release_executables():
 
     import jax
 
+    from qcompile.runtime.memory import clear_compiled
+
     jax.clear_caches()
+    clear_compiled()
     gc.collect()
 
 

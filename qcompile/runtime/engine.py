@@ -15,7 +15,6 @@ from __future__ import annotations
 import functools
 import math
 import time
-import weakref
 
 import attrs
 import jax
@@ -47,10 +46,9 @@ class Sequence:
 class GraphProgram:
     """A step graph lowered with one target's rules and jitted (caches donated so updates happen in place).
 
-    Programs are cached per (graph, target), so every engine of one graph shares its compiled shape buckets.
+    Programs are cached on their graph, per target, so every engine of one graph shares its compiled shape buckets,
+    and they go when the graph goes (a weak-keyed table could not let go: each program holds its graph).
     """
-
-    _cache: "weakref.WeakKeyDictionary[Graph, dict]" = weakref.WeakKeyDictionary()
 
     def __init__(self, graph: Graph, target: str | None = None):
         self.graph = graph
@@ -64,7 +62,7 @@ class GraphProgram:
     @classmethod
     def of(cls, graph: Graph, target: str | None = None) -> "GraphProgram":
         target = target or host_target()
-        programs = cls._cache.setdefault(graph, {})
+        programs = graph.__dict__.setdefault("_step_programs", {})
         if target not in programs:
             programs[target] = cls(graph, target)
         return programs[target]

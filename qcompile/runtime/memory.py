@@ -18,6 +18,7 @@ from __future__ import annotations
 import bisect
 import resource
 import sys
+import weakref
 
 import numpy as np
 
@@ -49,6 +50,11 @@ class CompiledBuckets:
         self._compiled: dict = {}
         self._analysis: dict = {}
         self._labels: dict = {}
+        _LIVE.add(self)
+
+    def clear(self) -> None:
+        """Drop the compiled executables (each is compiled again on its next use); the analyses stay."""
+        self._compiled.clear()
 
     @staticmethod
     def key(caches, batch, with_logits: bool) -> tuple:
@@ -69,6 +75,17 @@ class CompiledBuckets:
     def labelled(self) -> dict[str, dict | None]:
         """Bucket label (T tokens / R rows [/logits]) -> memory analysis, for every bucket compiled so far."""
         return {self._labels[key]: stats for key, stats in self._analysis.items()}
+
+
+_LIVE: "weakref.WeakSet[CompiledBuckets]" = weakref.WeakSet()
+
+
+def clear_compiled() -> None:
+    """Drop every step executable compiled ahead of time, in every program of this process — what `jax.clear_caches`
+    does for JAX's own caches. Each XLA CPU executable maps memory for its code; a process that compiles thousands
+    (a test suite, a fuzzer) reaches Linux's vm.max_map_count, after which XLA crashes inside a compile."""
+    for buckets in list(_LIVE):
+        buckets.clear()
 
 
 def step_intermediates(graph, sizes: dict[str, int], top: int = 3) -> list[dict]:
