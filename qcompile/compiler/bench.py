@@ -135,7 +135,7 @@ def _builds_from_checkpoint(opts: BenchOptions, emit):
     # replaced by a prepared layout would otherwise stay resident beside it (bench peaked at 4.0 GiB on the 1.9 GiB
     # bench preset).
     del checker
-    used = {id(array): array for build in builds.values() for array in build.params.values()}
+    used = {id(array) for build in builds.values() for array in build.params.values()}
     params = {name: array for name, array in params.items() if id(array) in used}
     return ckpt, params, list(builds.values()), target
 

@@ -109,10 +109,6 @@ class Sharding:
         if len(set(named)) != len(named):
             raise ValueError(f"a logical axis appears twice in sharding {self}")
 
-    @property
-    def replicated(self) -> bool:
-        return all(a is None for a in self.dims) and not self.partial
-
     def with_dim(self, index: int, axis: str | None) -> "Sharding":
         dims = list(self.dims)
         dims[index] = axis
