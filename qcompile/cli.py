@@ -84,9 +84,14 @@ def cli():
               help="Artifact weights: copy (prepared weights streamed into the artifact), link (hard links to the "
                    "checkpoint's files, else references by path and hash; weights made from them at load), none "
                    "(executables and manifest only; run reads the checkpoint at its path).")
+@click.option("--mesh", "mesh_spec", metavar="SPEC",
+              help="Lay the model out on a device mesh: 8 (one axis), 4x2 (chips x cores), 2x4 (processes x "
+                   "devices). On this host qcompile creates that many CPU devices itself.")
+@click.option("--concurrency", type=click.IntRange(min=1), metavar="N",
+              help="Expected concurrent sequences, for gqa-sharding's plan choice (default: --max-seqs).")
 def compile_cmd(checkpoint, passes_spec, output, report_path, dtype, page_size, target, verify, verify_layers, seed,
                 print_ir_after, print_ir_after_change, dump_dir, repro_dir, max_seqs, max_context, max_step_tokens,
-                num_pages, weights_mode):
+                num_pages, weights_mode, mesh_spec, concurrency):
     """Load CHECKPOINT, build and verify the step graph, run and check the selected passes, write the artifact."""
     from qcompile.ir.abi import CacheConfig
 
@@ -106,13 +111,14 @@ def compile_cmd(checkpoint, passes_spec, output, report_path, dtype, page_size, 
         _check_output_dir(dump_dir, "--dump-dir")
     if repro_dir is not None:
         _check_output_dir(repro_dir, "--repro-dir")
+    mesh = _setup_mesh(mesh_spec)
     from qcompile.compiler.driver import CompileOptions, compile_checkpoint
 
     opts = CompileOptions(
         checkpoint=checkpoint, passes=passes_spec, output=output, report=report_path, dtype=dtype,
         page_size=page_size, target=target, verify=verify, verify_layers=verify_layers, seed=seed,
         print_ir_after=tuple(print_ir_after), print_ir_after_change=print_ir_after_change, dump_dir=dump_dir,
-        repro_dir=repro_dir, cache=cache, weights=weights_mode)
+        repro_dir=repro_dir, cache=cache, weights=weights_mode, mesh=mesh, concurrency=concurrency)
     report = compile_checkpoint(opts, emit=click.echo)
     click.echo(f"done in {report['compile_seconds']:.1f}s")
 
@@ -170,6 +176,35 @@ def _size_option(ctx, param, value):
         return parse_size(value)
     except ValueError as err:
         raise click.BadParameter(str(err)) from None
+
+
+def _setup_mesh(spec: str | None):
+    """The Mesh of a --mesh SPEC (None without one), with this host's JAX given that many CPU devices: JAX fixes its
+    device count when it starts, so this runs before anything touches a device."""
+    if spec is None:
+        return None
+    from qcompile.ir.mesh import parse_mesh_spec
+
+    try:
+        mesh = parse_mesh_spec(spec)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    use_host_devices(mesh.size)
+    return mesh
+
+
+def use_host_devices(count: int) -> None:
+    """Give JAX `count` host (CPU) devices, or exit 2 when it already started with fewer."""
+    import jax
+
+    try:
+        jax.config.update("jax_num_cpu_devices", max(count, jax.config.jax_num_cpu_devices or 1))
+    except RuntimeError:
+        pass  # JAX already started (a second command in one process): its devices must do
+    available = len(jax.devices("cpu"))
+    if available < count:
+        raise UsageError(f"--mesh needs {count} devices, but JAX started with {available} in this process; run "
+                         "qcompile in a fresh process")
 
 
 def _check_page_size(page_size: int) -> None:
@@ -231,7 +266,10 @@ def _check_output_file(path: Path, flag: str) -> None:
                    "temporaries + the runtime would exceed SIZE (e.g. 16GiB, 800MB).")
 @click.option("--json", "as_json", is_flag=True,
               help="Print a machine-readable JSON result per prompt (with finish_reason and where the memory went).")
-def run_cmd(checkpoint, prompt_ids, max_new_tokens, dtype, save_logits, ignore_eos, memory_budget, as_json):
+@click.option("--mesh", "mesh_spec", metavar="SPEC",
+              help="Lay the model out on a device mesh (8, 4x2, 2x4) with gqa-sharding; this host gets that many "
+                   "CPU devices (simulated: they share its cores).")
+def run_cmd(checkpoint, prompt_ids, max_new_tokens, dtype, save_logits, ignore_eos, memory_budget, as_json, mesh_spec):
     """Greedy-generate from CHECKPOINT (or a compiled artifact directory) and print the new token ids.
 
     Generation stops after an EOS token (the config's eos_token_id; printed as the last token) or after
@@ -244,6 +282,7 @@ def run_cmd(checkpoint, prompt_ids, max_new_tokens, dtype, save_logits, ignore_e
     from qcompile.runtime.model import load_model
 
     prompts = [_parse_ids(text) for text in prompt_ids]
+    mesh = _setup_mesh(mesh_spec)
     if save_logits is not None:
         if len(prompts) > 1:
             raise UsageError("--save-logits saves one prompt's logits; give one --prompt-ids with it")
@@ -255,6 +294,8 @@ def run_cmd(checkpoint, prompt_ids, max_new_tokens, dtype, save_logits, ignore_e
     if is_artifact(checkpoint):
         if dtype:
             raise UsageError("--dtype does not apply to an artifact: its dtype was fixed when it was compiled")
+        if mesh is not None:
+            raise UsageError("--mesh does not apply to an artifact: its layout was fixed when it was compiled")
         artifact = load_artifact(checkpoint)
         if artifact.weights_note:
             click.echo(artifact.weights_note, err=True)
@@ -274,7 +315,13 @@ def run_cmd(checkpoint, prompt_ids, max_new_tokens, dtype, save_logits, ignore_e
         model.checkpoint.warn_unknown()
         eos_ids = model.checkpoint.config.eos_token_ids
         vocab, family, graph_dtype = model.checkpoint.config.vocab_size, model.checkpoint.config.family, model.graph.meta["dtype"]
-        engine = model.engine(CacheConfig(max_seqs=len(prompts), max_context=longest + max_new_tokens,
+        slots = len(prompts)
+        if mesh is not None:  # laid out with gqa-sharding; whole sequence slots per data-parallel rank
+            from qcompile.compiler.distribute import lay_out
+
+            model.graph = lay_out(model.graph, mesh, concurrency=len(prompts), max_context=longest + max_new_tokens)
+            slots = -(-slots // mesh.size) * mesh.size
+        engine = model.engine(CacheConfig(max_seqs=slots, max_context=longest + max_new_tokens,
                                           max_step_tokens=min(sum(len(ids) for ids in prompts), 256)),
                               memory_budget=memory_budget)
         graph = model.graph
@@ -362,8 +409,11 @@ def init_tiny_cmd(directory, family, preset, seed, dtype, sparse, force):
               help="Refuse (exit 2) a concurrency whose weights + caches + temporaries + runtime exceed SIZE.")
 @click.option("--json", "json_path", type=click.Path(path_type=Path), help="Write the results (docs/benchmarks.md schema).")
 @click.option("--plot", "plot_path", type=click.Path(path_type=Path), help="Write a PNG bar chart (needs matplotlib).")
+@click.option("--mesh", "mesh_spec", metavar="SPEC",
+              help="Lay the model out on a device mesh (8, 4x2, 2x4) with gqa-sharding; this host gets that many "
+                   "CPU devices (simulated: they share its cores).")
 def bench_cmd(source, workload, scale, input_len, output_len, concurrency, num_prompts, request_rate, passes_spec,
-              compare, ablate, dtype, max_step_tokens, verify, seed, memory_budget, json_path, plot_path):
+              compare, ablate, dtype, max_step_tokens, verify, seed, memory_budget, json_path, plot_path, mesh_spec):
     """Measure prefill/decode throughput, latency and % of roofline of CHECKPOINT (or an artifact)."""
     from qcompile.compiler.bench import BenchOptions, run_bench
 
@@ -371,11 +421,12 @@ def bench_cmd(source, workload, scale, input_len, output_len, concurrency, num_p
         levels = tuple(int(part) for part in concurrency.split(","))
     except ValueError:
         raise UsageError(f"--concurrency must be comma-separated integers, got {concurrency!r}") from None
+    mesh = _setup_mesh(mesh_spec)
     opts = BenchOptions(source=source, workload=workload, input_len=input_len, output_len=output_len, scale=scale,
                         concurrency=levels, num_prompts=num_prompts, passes=passes_spec, compare=tuple(compare),
                         ablate=ablate, json_path=json_path, plot_path=plot_path, seed=seed, dtype=dtype,
                         max_step_tokens=max_step_tokens, verify=verify, memory_budget=memory_budget,
-                        request_rate=request_rate)
+                        request_rate=request_rate, mesh=mesh)
     run_bench(opts, emit=click.echo)
 
 

@@ -16,7 +16,12 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("QCOMPILE_CACHE_DIR", "off")
 sys.path.insert(0, str(Path(__file__).parent))
 
+import jax  # noqa: E402
 import pytest  # noqa: E402
+
+# 8 CPU devices for the whole suite, fixed before JAX starts: the distribution tests lay models out on meshes of up
+# to 8 devices in-process; everything else runs on device 0 as before.
+jax.config.update("jax_num_cpu_devices", 8)
 
 _MODELS: dict = {}
 

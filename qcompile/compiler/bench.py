@@ -51,6 +51,7 @@ class BenchOptions:
     verify: str = "final"
     memory_budget: int | None = None  # bytes; each engine refuses a cache configuration that would not fit
     request_rate: float | None = None  # requests/s arriving (Poisson) through the scheduler; None: waves
+    mesh: object = None  # ir.mesh.Mesh: lay the builds out on it (gqa-sharding); None: one device
 
 
 @attrs.define
@@ -96,7 +97,7 @@ def _check_outputs(opts: BenchOptions) -> None:
                              "batching here); measure it without --request-rate")
 
 
-def _builds_from_checkpoint(opts: BenchOptions, emit):
+def _builds_from_checkpoint(opts: BenchOptions, emit, context: int):
     from qcompile.frontend.checkpoint import Checkpoint
     from qcompile.ir.importer import build_graph
     from qcompile.ir.weights import fold_weight_preparation, load_params
@@ -107,6 +108,9 @@ def _builds_from_checkpoint(opts: BenchOptions, emit):
 
     ckpt = Checkpoint.open(opts.source)
     graph = build_graph(ckpt, opts.dtype)
+    if opts.mesh is not None:
+        graph.meta["mesh"] = opts.mesh
+    options = (("concurrency", max(opts.concurrency)), ("max_context", context))
     specs = ablation_specs(list(PASSES)) if opts.ablate else [opts.passes or "all"]
     log(f"loading weights of {opts.source}")
     params = load_params(ckpt, graph)
@@ -122,7 +126,7 @@ def _builds_from_checkpoint(opts: BenchOptions, emit):
         if key in builds:
             builds[key].label += f" = {spec}"
             continue
-        result = run_pipeline(graph, selected, PassContext(target=target), verify_mode=opts.verify,
+        result = run_pipeline(graph, selected, PassContext(target=target, options=options), verify_mode=opts.verify,
                               checker=checker)
         check = None if result.final_check is None else result.final_check.to_json()
         folded = fold_weight_preparation(result.graph)
@@ -153,6 +157,8 @@ def run_bench(opts: BenchOptions, emit=print) -> dict:
         raise UsageError("--compare transformers needs the checkpoint (transformers cannot load an artifact)")
     if artifact and opts.dtype:
         raise UsageError("--dtype does not apply to an artifact: its dtype was fixed when it was compiled")
+    if artifact and opts.mesh is not None:
+        raise UsageError("--mesh does not apply to an artifact: its layout was fixed when it was compiled")
     started = time.perf_counter()
     if artifact:
         from qcompile.runtime.artifact import load_artifact
@@ -171,7 +177,7 @@ def run_bench(opts: BenchOptions, emit=print) -> dict:
                              f"concurrency {max(opts.concurrency)} with {input_len}+{output_len} tokens does not fit — "
                              "recompile with larger --max-seqs / --max-context")
     else:
-        ckpt, params, builds, target = _builds_from_checkpoint(opts, emit)
+        ckpt, params, builds, target = _builds_from_checkpoint(opts, emit, input_len + output_len)
         vocab, dtype = ckpt.config.vocab_size, builds[0].graph.meta["dtype"]
     setup_seconds = time.perf_counter() - started
     log("measuring the machine's ceilings (copy bandwidth, matmul rate)")
@@ -193,7 +199,8 @@ def run_bench(opts: BenchOptions, emit=print) -> dict:
         for concurrency in opts.concurrency:
             num = opts.num_prompts or concurrency
             prompts = make_prompts(num, input_len, vocab, opts.seed)
-            cache = CacheConfig(max_seqs=concurrency, max_context=input_len + output_len,
+            ranks = opts.mesh.size if opts.mesh is not None else 1  # whole slots per data-parallel rank
+            cache = CacheConfig(max_seqs=-(-concurrency // ranks) * ranks, max_context=input_len + output_len,
                                 max_step_tokens=opts.max_step_tokens)
             experts: dict = {}
             for build in builds:

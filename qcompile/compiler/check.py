@@ -152,7 +152,9 @@ def run_check(opts: CheckOptions, emit=print) -> dict:
         artifact = load_artifact(opts.source)
         if artifact.weights_note:
             print(artifact.weights_note, file=sys.stderr)
-        selected = (artifact.manifest.get("passes") or {}).get("selected")
+        info = artifact.manifest.get("passes") or {}
+        records = info.get("passes")  # what ran: a selected pass that did not apply (one device, ...) is not listed
+        selected = [r["name"] for r in records if r.get("status") != "skipped"] if records else info.get("selected")
         passes = ", ".join(selected) or "none" if selected is not None else artifact.manifest.get("pipeline", "?")
         candidate_label = f"artifact {opts.source} (passes {passes})"
         ref_dir = Path(opts.reference)

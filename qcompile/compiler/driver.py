@@ -24,6 +24,7 @@ from qcompile.compiler.summary import summarize
 from qcompile.ir.abi import CacheConfig
 from qcompile.compiler.export import TARGET_RULES
 from qcompile.ir.importer import build_graph, select_layers
+from qcompile.ir.mesh import Mesh
 from qcompile.ir.lowering import target_rules_used
 from qcompile.ir.weights import fold_weight_preparation, load_params, prepared_names
 from qcompile.passes.base import PassContext
@@ -52,6 +53,8 @@ class CompileOptions:
     repro_dir: Path | None = None
     cache: CacheConfig = CacheConfig()
     weights: str = "copy"  # copy | link | none (qcompile/runtime/artifact.py)
+    mesh: Mesh | None = None  # --mesh: the devices the model is laid out on (ir/mesh.py)
+    concurrency: int | None = None  # --concurrency: expected concurrent sequences (gqa-sharding; default max_seqs)
 
 
 def memory_bytes() -> int:
@@ -65,9 +68,20 @@ def compile_checkpoint(opts: CompileOptions, emit: Callable[[str], None] = print
                        warn: Callable[[str], None] = lambda text: print(text, file=sys.stderr)) -> dict:
     """Run the whole compile; returns the report (also written to report.json / the artifact)."""
     started = time.perf_counter()
+    if opts.mesh is not None and opts.cache.max_seqs % opts.mesh.size:
+        # Documented padding: each data-parallel rank gets whole sequence slots (and its share of the pages).
+        padded = -(-opts.cache.max_seqs // opts.mesh.size) * opts.mesh.size
+        warn(f"qcompile: note: --max-seqs {opts.cache.max_seqs} rounded up to {padded}, a multiple of the "
+             f"{opts.mesh.size} devices, so every data-parallel rank gets whole sequence slots")
+        num_pages = opts.cache.num_pages and -(-opts.cache.num_pages // opts.mesh.size) * opts.mesh.size
+        opts = attrs.evolve(opts, cache=attrs.evolve(opts.cache, max_seqs=padded, num_pages=num_pages))
     if opts.target not in TARGETS:
         raise UsageError(f"unknown target {opts.target!r}; choose one of {', '.join(TARGETS)}")
     selected = parse_spec(opts.passes)
+    if opts.output is not None and opts.mesh is not None and opts.mesh.size > 1 \
+            and any(p.name == "gqa-sharding" for p in selected):
+        raise UsageError("-o with --mesh: sharded artifacts are not written yet; compile without -o to check the "
+                         "layout, run or bench the checkpoint with --mesh, or add -gqa-sharding to --passes")
     known = {p.name for p in parse_spec("all")} | {"all"}
     unknown_print = [name for name in opts.print_ir_after if name not in known]
     if unknown_print:
@@ -81,7 +95,12 @@ def compile_checkpoint(opts: CompileOptions, emit: Callable[[str], None] = print
         from qcompile.compiler.export import check_free_space, weight_bytes
 
         check_free_space(opts.output, weight_bytes(graph) if opts.weights == "copy" else 0, opts.weights)
-    ctx = PassContext(target=opts.target, num_devices=1)
+    if opts.mesh is not None:
+        _check_mesh_fits(ckpt, opts)
+        graph.meta["mesh"] = opts.mesh
+    ctx = PassContext(target=opts.target, num_devices=opts.mesh.size if opts.mesh else 1,
+                      options=(("concurrency", opts.concurrency or opts.cache.max_seqs),
+                               ("max_context", opts.cache.max_context)))
     instruments = Instruments(opts.print_ir_after, opts.print_ir_after_change, opts.dump_dir,
                               emit=lambda text: print(text, file=sys.stderr))
     rules = TARGET_RULES[opts.target]
@@ -91,6 +110,8 @@ def compile_checkpoint(opts: CompileOptions, emit: Callable[[str], None] = print
     layers, experts = _check_scope(ckpt, graph, opts, warn) if checked else (None, None)
     check_ckpt = ckpt if experts is None else ckpt.with_experts(experts)
     check_graph = graph if layers is None else build_graph(check_ckpt, opts.dtype, opts.page_size, layers=layers)
+    if opts.mesh is not None:
+        check_graph.meta["mesh"] = opts.mesh
     checker = None
     params = None
     if checked:
@@ -101,7 +122,7 @@ def compile_checkpoint(opts: CompileOptions, emit: Callable[[str], None] = print
         checker = EquivalenceChecker(check_graph, params, seed=opts.seed,
                                      target=rules if lowering_checked else "reference")
     settings = {"dtype": graph.meta["dtype"], "page_size": opts.page_size, "verify_layers": layers,
-                "verify_experts": experts, "meta": check_graph.meta}
+                "verify_experts": experts, "meta": {k: v for k, v in check_graph.meta.items() if k != "mesh"}}
     reproducer = Reproducer(opts.repro_dir or Path("qcompile-repro"), str(opts.checkpoint), settings)
     emit(f"passes ({spec_of(selected)}):" if selected else "passes: none selected"
          + ("" if parse_spec("all") else " (no passes are registered yet)"))
@@ -128,7 +149,8 @@ def compile_checkpoint(opts: CompileOptions, emit: Callable[[str], None] = print
              f"(bound {fc.bound:.0e})" + (f" on layers {list(layers)}" if layers is not None else "")
              + (f" with experts 0..{experts - 1}" if experts is not None else ""))
     report = {
-        "qcompile_version": __version__, "checkpoint": str(opts.checkpoint), "target": opts.target, "mesh": None,
+        "qcompile_version": __version__, "checkpoint": str(opts.checkpoint), "target": opts.target,
+        "mesh": final_graph.meta["mesh"].attributes() if final_graph.meta.get("mesh") else None,
         "passes": {"spec": opts.passes, "selected": [p.name for p in selected], "verify": opts.verify,
                    "verify_layers": list(layers) if layers is not None else None, "verify_experts": experts,
                    "seed": opts.seed,
@@ -146,6 +168,18 @@ def compile_checkpoint(opts: CompileOptions, emit: Callable[[str], None] = print
     if opts.report is not None:
         opts.report.write_text(text)
     return report
+
+
+def _check_mesh_fits(ckpt: Checkpoint, opts: CompileOptions) -> None:
+    """A mesh the model cannot be laid out on is a usage error (exit 2) before any work: the routed experts must split
+    evenly over the devices."""
+    devices, cfg = opts.mesh.size, ckpt.config
+    if any(cfg.moe_layers) and cfg.num_experts % devices:
+        fits = [d for d in range(2, min(cfg.num_experts, 64) + 1) if cfg.num_experts % d == 0]
+        raise UsageError(f"--mesh {'x'.join(map(str, opts.mesh.shape))}: the {cfg.num_experts} routed experts do not "
+                         f"split over {devices} devices; use a device count that divides them "
+                         f"({', '.join(map(str, fits[:8])) or 'none above 1'})")
+
 
 
 def _model_line(ckpt: Checkpoint, graph) -> str:

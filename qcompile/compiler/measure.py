@@ -35,7 +35,7 @@ import numpy as np
 from qcompile.errors import UsageError
 from qcompile.ir.cost import StepShape, step_cost
 from qcompile.ir.graph import Graph
-from qcompile.ir.lowering import lower
+from qcompile.ir.lowering import is_sharded, lower
 from qcompile.ir.ops.moe import MoeDispatch, RouterTopK
 
 #: The field's workload shapes at full scale (input, output tokens).
@@ -194,11 +194,14 @@ class Roofline:
         return step_cost(self.graph, self.sizes, shape).seconds(self.bandwidth, self.peak)
 
 
-def probe_experts(graph: Graph, target: str, params, caches, batch) -> float:
-    """Mean over MoE layers of the distinct experts the valid tokens of `batch` route to (a non-donating run)."""
+def probe_experts(graph: Graph, target: str, params, caches, batch) -> float | None:
+    """Mean over MoE layers of the distinct experts the valid tokens of `batch` route to (a non-donating run); None
+    on a graph laid out on a mesh (its routers run per rank; the roofline then assumes uniform routing)."""
     routers = graph.find(RouterTopK)
     if not routers:
         return 0.0
+    if is_sharded(graph):
+        return None
     taps = {f"router.{i}": node.results[1] for i, node in enumerate(routers)}
     lowered = lower(graph, target, taps)
     fn = jax.jit(lambda p, c, b: {k: v for k, v in lowered(p, {**c, **b}).items() if k in taps})

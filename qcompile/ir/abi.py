@@ -14,6 +14,14 @@ A step program is called as `fn(params, caches, batch)`:
 
 Sizes: B = max_seqs sequence slots, M = pages per sequence (max_context / page_size, rounded up), P = pool pages,
 S = B state slots. Token buckets are powers of two up to max(max_step_tokens, max_seqs).
+
+Attention data parallelism (gqa-sharding): a graph whose mesh maps the logical axis `batch` to D devices has D ranks.
+Rank r owns state slots [r·S/D, (r+1)·S/D) and pages [r·P/D, (r+1)·P/D); a sequence lives on the rank of its slot,
+and its pages must be that rank's. The batch is D rank-local batches of equal size, concatenated: T/D token slots,
+B/D+1 query starts (so query_start holds B+D entries), B/D page-table rows and state slots, and R/D logit rows per
+rank, every slot, page and token index local to its rank (`pack_ranked`). The caches keep their global layout:
+rank r's pool is block r of every cache's first dim, so a sequence's KV and state sit at the same global place
+whatever the number of ranks.
 """
 
 from __future__ import annotations
@@ -97,9 +105,17 @@ def graph_cache_types(graph) -> dict[str, TensorType]:
     return {node.op.name: node.op.type for node in graph.find(Input) if node.op.name in caches}
 
 
-def batch_specs(tokens: int, rows: int, sizes: dict[str, int]) -> dict:
-    """ShapeDtypeStructs of the batch inputs, laid out exactly as `pack_batch` builds them."""
-    shapes = {"token_ids": (tokens,), "positions": (tokens,), "query_start": (sizes["B"] + 1,),
+def data_parallel_ranks(graph) -> int:
+    """How many attention data-parallel ranks a step graph has: the pieces its mesh cuts the `batch` axis into."""
+    mesh = graph.meta.get("mesh")
+    if mesh is None or "batch" not in dict(mesh.rules):
+        return 1
+    return mesh.ways("batch")
+
+
+def batch_specs(tokens: int, rows: int, sizes: dict[str, int], ranks: int = 1) -> dict:
+    """ShapeDtypeStructs of the batch inputs, laid out exactly as `pack_batch` (`pack_ranked`) builds them."""
+    shapes = {"token_ids": (tokens,), "positions": (tokens,), "query_start": (sizes["B"] + ranks,),
               "page_table": (sizes["B"], sizes["M"]), "state_slots": (sizes["B"],), "logits_indices": (rows,)}
     return {name: jax.ShapeDtypeStruct(shapes[name], np.int32) for name in BATCH_INPUTS}
 
@@ -158,3 +174,48 @@ def pack_batch(work: list[WorkItem], *, num_tokens: int, rows: int, max_seqs: in
         logits_indices[:] = np.arange(rows)
     return {"token_ids": token_ids, "positions": positions, "query_start": query_start,
             "page_table": page_table, "state_slots": state_slots, "logits_indices": logits_indices}
+
+
+def item_rows(work: list[WorkItem], all_logits: bool) -> list[list[int]]:
+    """The logit rows `pack_batch` gives each work item: every token's with `all_logits`, else its last token's."""
+    rows, start = [], 0
+    for index, item in enumerate(work):
+        n = len(item.tokens)
+        rows.append(list(range(start, start + n)) if all_logits else [index])
+        start += n
+    return rows
+
+
+def pack_ranked(work: list[WorkItem], *, num_tokens: int, rows: int, max_seqs: int, pages_per_seq: int,
+                pool_pages: int, all_logits: bool, ranks: int = 1) -> tuple[dict[str, np.ndarray], list[list[int]]]:
+    """The batch inputs of one step for a graph with `ranks` data-parallel ranks (module docstring), and the logit
+    rows of each work item. Slots and pages are global here; each item goes to its slot's rank, and its pages must
+    lie in that rank's share of the pool (ValueError otherwise: the allocator placed it wrong)."""
+    if ranks == 1:
+        batch = pack_batch(work, num_tokens=num_tokens, rows=rows, max_seqs=max_seqs, pages_per_seq=pages_per_seq,
+                           all_logits=all_logits)
+        return batch, item_rows(work, all_logits)
+    for total, what in ((num_tokens, "token slots"), (rows, "logit rows"), (max_seqs, "sequence slots"),
+                        (pool_pages, "pages")):
+        if total % ranks:
+            raise ValueError(f"{total} {what} do not split into {ranks} data-parallel ranks")
+    slots, pages = max_seqs // ranks, pool_pages // ranks
+    per_rank: list[list[tuple[int, WorkItem]]] = [[] for _ in range(ranks)]
+    for index, item in enumerate(work):
+        rank = item.slot // slots
+        if not 0 <= rank < ranks:
+            raise ValueError(f"state slot {item.slot} is outside the {max_seqs} slots")
+        local = [p - rank * pages for p in item.pages]
+        if any(not 0 <= p < pages for p in local):
+            raise ValueError(f"sequence in slot {item.slot} (rank {rank}) holds pages outside rank {rank}'s "
+                             f"[{rank * pages}, {(rank + 1) * pages})")
+        per_rank[rank].append((index, WorkItem(item.slot - rank * slots, tuple(local), item.start, item.tokens)))
+    parts, item_row = [], [[] for _ in work]
+    for rank, items in enumerate(per_rank):
+        local_work = [item for _, item in items]
+        parts.append(pack_batch(local_work, num_tokens=num_tokens // ranks, rows=rows // ranks, max_seqs=slots,
+                                pages_per_seq=pages_per_seq, all_logits=all_logits))
+        for (index, _), local_rows in zip(items, item_rows(local_work, all_logits)):
+            item_row[index] = [rank * (rows // ranks) + r for r in local_rows]
+    batch = {name: np.concatenate([part[name] for part in parts]) for name in BATCH_INPUTS}
+    return batch, item_row

@@ -38,6 +38,15 @@ class Builder:
         results = node.results
         return results[0] if len(results) == 1 else results
 
+    def annotate(self, value: Value, sharding) -> None:
+        """Give an already added result a sharding (a rewrite keeping the layout of the value it replaces)."""
+        import attrs
+
+        node = self._dag.nodes[value.node]["node"]
+        types = list(node.types)
+        types[value.index] = types[value.index].with_sharding(sharding)
+        self._dag.nodes[value.node]["node"] = attrs.evolve(node, types=tuple(types))
+
     def _leaf(self, cls, name: str, type_: TensorType) -> Value:
         key = (cls, name)
         if key not in self._leaves:

@@ -79,7 +79,7 @@ def step_function(graph: Graph, target: str = "reference", with_logits: bool = T
     Without logits the step returns next_tokens and the caches only, so XLA need not materialise [R, V] floats as an
     output and the host receives R token ids.
     """
-    lowered = lower(graph, target)
+    lowered = lower_step(graph, target)
 
     def step(params, caches, batch):
         outputs = lowered(params, {**caches, **batch})
@@ -110,5 +110,25 @@ def lower_on_mesh(graph: Graph, target: str = "reference", devices=None) -> Call
     param_specs = {node.op.name: spec(node.op.type) for node in graph.find(Param)}
     input_specs = {node.op.name: spec(node.op.type) for node in graph.find(Input)}
     out_specs = {name: spec(graph.type_of(value)) for name, value in graph.outputs.items()}
-    return jax.shard_map(lower(graph, target), mesh=mesh.jax_mesh(devices), in_specs=(param_specs, input_specs),
-                         out_specs=out_specs, check_vma=False)
+    mapped = jax.shard_map(lower(graph, target), mesh=mesh.jax_mesh(devices), in_specs=(param_specs, input_specs),
+                           out_specs=out_specs, check_vma=False)
+
+    def step(params: dict, inputs: dict) -> dict:  # shard_map wants exactly the graph's names
+        return mapped({name: params[name] for name in param_specs}, {name: inputs[name] for name in input_specs})
+
+    return step
+
+
+def is_sharded(graph: Graph) -> bool:
+    """Whether the graph is laid out over its mesh (a sharding pass gave the mesh its rules table)."""
+    mesh = graph.meta.get("mesh")
+    return mesh is not None and bool(mesh.rules)
+
+
+def lower_step(graph: Graph, target: str = "reference", taps: dict[str, Value] | None = None):
+    """`lower_on_mesh` for a sharded graph, `lower` otherwise: what every caller that runs a step graph uses."""
+    if is_sharded(graph):
+        if taps:
+            raise QCompileError("taps are not supported on a sharded graph")
+        return lower_on_mesh(graph, target)
+    return lower(graph, target, taps)

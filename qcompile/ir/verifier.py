@@ -53,6 +53,10 @@ def verify(graph: Graph) -> None:
             if tuple(node.op.mesh_axes) != expected:
                 raise VerificationError(f"collective over {over!r} runs on mesh axes {list(node.op.mesh_axes)}, "
                                         f"but the mesh maps {over!r} to {list(expected or ())}: {where}")
+            split = getattr(node.op, "split", "")
+            if split and (split not in dict(mesh.rules) or mesh.rule(split) != expected):
+                raise VerificationError(f"reduce_scatter splits along {split!r}, which the mesh does not map to the "
+                                        f"mesh axes of {over!r} ({list(expected)}): {where}")
         if isinstance(node.op, (Input, Param)):
             key = (node.op.op_name, node.op.name)
             if key in leaves:

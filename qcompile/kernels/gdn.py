@@ -19,7 +19,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jax.scipy.linalg import solve_triangular
 
 from qcompile.kernels import native
 from qcompile.kernels.ragged import slot_or_drop, token_layout
@@ -79,6 +78,21 @@ def _chunk_layout(query_start, num_tokens: int, chunk: int):
     return lay, position, chunk_seq, used, num_chunks
 
 
+def _unit_lower_solve(a, rhs):
+    """X with (I + a) X = rhs, a [H,C,C] strictly lower triangular, rhs [H,C,n]: forward substitution, one row at a
+    time (rows not yet solved are zero, and a is zero on and above the diagonal, so each row reads only solved ones).
+
+    Not jax.scipy.linalg.solve_triangular: on the CPU its LAPACK kernel splits the batch over the host's intra-op
+    thread pool and blocks on it, and with several simulated devices running one program (a mesh) those blocked
+    kernels can hold every pool thread — the step deadlocked about one run in six on 8 CPU devices (gdb: all workers
+    in jax::ParallelBatchMap under lapack_strsm_ffi). transformers solves it the same way, row by row."""
+
+    def row(i, x):
+        return x.at[:, i].set(rhs[:, i] - _mm("hj,hjn->hn", a[:, i], x))
+
+    return jax.lax.fori_loop(0, a.shape[1], row, jnp.zeros_like(rhs))
+
+
 def _solve_chunk(s, q, k, v, g, beta):
     """One chunk for all heads. s [H,dk,dv]; q,k [C,H,dk]; v [C,H,dv]; g,beta [C,H]."""
     size = q.shape[0]
@@ -93,10 +107,8 @@ def _solve_chunk(s, q, k, v, g, beta):
     decay = jnp.where(causal, jnp.exp(seg), 0.0)  # Γ_ij, diagonal 1
     strict = jnp.tril(jnp.ones((size, size), bool), -1)[:, :, None]
     a = jnp.where(strict, beta[:, None, :] * _mm("ihd,jhd->ijh", k, k) * decay, 0.0)
-    eye = jnp.eye(size, dtype=jnp.float32)[:, :, None]
-    system = jnp.moveaxis(eye + a, 2, 0)  # [H,C,C], unit lower triangular
     rhs = jnp.concatenate([beta[..., None] * v, (beta * jnp.exp(gamma))[..., None] * k], axis=-1)  # [C,H,dv+dk]
-    sol = solve_triangular(system, jnp.moveaxis(rhs, 1, 0), lower=True, unit_diagonal=True)  # [H,C,dv+dk]
+    sol = _unit_lower_solve(jnp.moveaxis(a, 2, 0), jnp.moveaxis(rhs, 1, 0))  # [H,C,dv+dk]
     dv = v.shape[-1]
     u, w = jnp.moveaxis(sol[..., :dv], 0, 1), jnp.moveaxis(sol[..., dv:], 0, 1)  # [C,H,dv], [C,H,dk]
     v_new = u - _mm("chk,hkv->chv", w, s)

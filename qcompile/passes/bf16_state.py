@@ -23,6 +23,7 @@ import math
 from qcompile.ir.builder import Builder
 from qcompile.ir.graph import Graph
 from qcompile.ir.ops.core import Input
+from qcompile.ir.registry import infer_types
 from qcompile.ir.types import TensorType, np_dtype
 from qcompile.passes.base import Pass, PassContext, PassResult
 from qcompile.passes.rewrite import copy_node, eliminate_dead_nodes
@@ -55,9 +56,11 @@ def run(graph: Graph, ctx: PassContext) -> PassResult:
     for node in graph.nodes():
         operands = [mapping[v] for v in node.operands]
         if isinstance(node.op, Input) and node.op.name in demote:
-            new = builder.input(node.op.name, TensorType("bf16", node.op.type.shape))
+            new = builder.input(node.op.name, node.op.type.with_dtype("bf16"))  # its sharding kept
         elif any(builder.type_of(new) != graph.type_of(old) for new, old in zip(operands, node.operands)):
-            new = builder.add(node.op, *operands)  # an op reading a demoted state: its type rule re-types its results
+            types = infer_types(node.op, [builder.type_of(v) for v in operands])  # re-typed by its type rule
+            new = builder.add_typed(node.op, operands, [t.with_sharding(old.sharding)
+                                                        for t, old in zip(types, node.types)])
             retyped += 1
         else:
             new = copy_node(builder, node, operands)

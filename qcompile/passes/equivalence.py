@@ -23,9 +23,11 @@ import attrs
 import jax
 import numpy as np
 
-from qcompile.ir.abi import LOGITS, CacheConfig, WorkItem, empty_caches, graph_cache_types, pack_batch, token_bucket
+from qcompile.errors import QCompileError
+from qcompile.ir.abi import (LOGITS, NEXT_TOKENS, CacheConfig, WorkItem, data_parallel_ranks, empty_caches,
+                             graph_cache_types, pack_ranked, token_bucket)
 from qcompile.ir.graph import Graph
-from qcompile.ir.lowering import lower
+from qcompile.ir.lowering import lower_step
 from qcompile.ir.printer import print_graph
 from qcompile.ir.types import dtype_name, np_dtype
 
@@ -45,16 +47,18 @@ def run_graph(graph: Graph, params: dict, caches: dict, batch: dict, target: str
     """Outputs of one step of `graph` lowered with `target`'s rules (jitted, not donating: the inputs are reused)."""
     runners = _RUNNERS.setdefault(graph, {})
     if target not in runners:
-        lowered = lower(graph, target)
+        lowered = lower_step(graph, target)
         runners[target] = jax.jit(lambda p, c, b: lowered(p, {**c, **b}))
     return {k: np.asarray(v) for k, v in runners[target](params, caches, batch).items()}
 
 
 class _Sequences:
-    """Slots and pages for the checker's few sequences: sequence i owns slot i and pages [i·M, (i+1)·M)."""
+    """Slots and pages for the checker's few sequences, placed so that any number of data-parallel ranks dividing
+    `spread` finds each sequence's slot and pages on one rank: sequence i goes to block i % spread of the slots and
+    of the pages (with spread 1: slot i, pages [i·M, (i+1)·M))."""
 
-    def __init__(self, cache: CacheConfig, page_size: int):
-        self.cache, self.page_size = cache, page_size
+    def __init__(self, cache: CacheConfig, page_size: int, spread: int = 1):
+        self.cache, self.page_size, self.spread = cache, page_size, spread
         self.pages_per_seq = cache.pages_per_seq(page_size)
         self.lengths: list[int] = []
 
@@ -62,17 +66,43 @@ class _Sequences:
         self.lengths.append(0)
         return len(self.lengths) - 1
 
-    def pack(self, work: list[tuple[int, list[int]]], num_tokens: int, all_logits: bool = True) -> dict:
+    def _place(self, seq: int) -> tuple[int, int]:
+        """(slot, first page) of sequence `seq`."""
+        block, index = seq % self.spread, seq // self.spread
+        slot = block * (self.cache.max_seqs // self.spread) + index
+        first = block * (self.cache.pool_pages(self.page_size) // self.spread) + index * self.pages_per_seq
+        return slot, first
+
+    def pack(self, work: list[tuple[int, list[int]]], num_tokens: int, all_logits: bool = True,
+             ranks: int = 1) -> tuple[dict, list[list[int]]]:
+        """The batch for a graph with `ranks` ranks (token slots per rank: the bucket of the fullest rank's tokens,
+        at least num_tokens // ranks) and each work item's logit rows. Advances the sequences."""
         items = []
         for seq, tokens in work:
             start = self.lengths[seq]
             used = -(-(start + len(tokens)) // self.page_size)
-            pages = tuple(range(seq * self.pages_per_seq, seq * self.pages_per_seq + used))
-            items.append(WorkItem(seq, pages, start, tuple(tokens)))
+            slot, first = self._place(seq)
+            items.append(WorkItem(slot, tuple(range(first, first + used)), start, tuple(tokens)))
             self.lengths[seq] += len(tokens)
+        if ranks > 1:
+            if self.spread % ranks:
+                raise QCompileError(f"the check spreads its sequences over {self.spread} devices (the reference "
+                                    f"graph's mesh), which {ranks} data-parallel ranks do not divide; give the "
+                                    "reference graph the candidate's mesh")
+            slots = self.cache.max_seqs // ranks
+            fullest = max(sum(len(i.tokens) for i in items if i.slot // slots == r) for r in range(ranks))
+            num_tokens = ranks * max(token_bucket(fullest), num_tokens // ranks, 1)
         rows = num_tokens if all_logits else self.cache.max_seqs
-        return pack_batch(items, num_tokens=num_tokens, rows=rows, max_seqs=self.cache.max_seqs,
-                          pages_per_seq=self.pages_per_seq, all_logits=all_logits)
+        return pack_ranked(items, num_tokens=num_tokens, rows=rows, max_seqs=self.cache.max_seqs,
+                           pages_per_seq=self.pages_per_seq, pool_pages=self.cache.pool_pages(self.page_size),
+                           all_logits=all_logits, ranks=ranks)
+
+
+def outputs_by_item(outputs: dict, rows: list[list[int]]) -> dict:
+    """The step's logits and tokens taken at the work items' rows, in work order (the row layout depends on the
+    graph's ranks; padding rows are dropped); the caches as they are (their layout is the same for every rank count)."""
+    index = np.array([r for item in rows for r in item], np.int64)
+    return {name: value[index] if name in (LOGITS, NEXT_TOKENS) else value for name, value in outputs.items()}
 
 
 @attrs.frozen
@@ -171,18 +201,22 @@ class EquivalenceChecker:
         rng = np.random.default_rng(seed)
         vocab = int(reference.meta["vocab_size"])
         page_size = int(reference.meta["page_size"])
-        cache = CacheConfig(max_seqs=4, max_context=64, max_step_tokens=64)
-        seqs = _Sequences(cache, page_size)
-        bucket = token_bucket(max(sum(CHECK_PROMPTS), sum(CHECK_WORK)))
-        caches = empty_caches(graph_cache_types(reference), cache.sizes(page_size))
+        mesh = reference.meta.get("mesh")
+        # Sequences spread over every device, so a candidate with any number of data-parallel ranks can run them.
+        self.spread = mesh.size if mesh is not None else 1
+        self.cache = CacheConfig(max_seqs=self.spread * -(-4 // self.spread), max_context=64, max_step_tokens=64)
+        seqs = _Sequences(self.cache, page_size, self.spread)
+        self.bucket = token_bucket(max(sum(CHECK_PROMPTS), sum(CHECK_WORK)))
+        caches = empty_caches(graph_cache_types(reference), self.cache.sizes(page_size))
         warm = [seqs.add() for _ in CHECK_PROMPTS]
         warm_work = [(s, rng.integers(3, vocab, n).tolist()) for s, n in zip(warm, CHECK_PROMPTS)]
         # The warm-up runs through the same (non-donating) executable as the checks, so it costs no extra compile.
-        out = run_graph(reference, params, caches, seqs.pack(warm_work, bucket))
+        out = run_graph(reference, params, caches, seqs.pack(warm_work, self.bucket)[0])
         caches = {k: out[k] for k in caches}
         fresh = seqs.add()
-        work = [(s, rng.integers(3, vocab, n).tolist()) for s, n in zip([*warm, fresh], CHECK_WORK)]
-        self.batch = seqs.pack(work, bucket)
+        self.work = [(s, rng.integers(3, vocab, n).tolist()) for s, n in zip([*warm, fresh], CHECK_WORK)]
+        self._seqs_after_warmup = list(seqs.lengths)
+        self.batch, self.rows = self._pack(self.work, 1)
         self.caches = caches
         self._outputs: dict[tuple[str, str], dict] = {}
         self.reference_outputs = self.outputs(reference, "reference")
@@ -191,8 +225,17 @@ class EquivalenceChecker:
         target = self.target if target is None else target
         key = (structural_hash(graph), target)
         if key not in self._outputs:
-            self._outputs[key] = run_graph(graph, self.params, in_cache_dtypes(graph, self.caches), self.batch, target)
+            ranks = data_parallel_ranks(graph)
+            batch, rows = (self.batch, self.rows) if ranks == 1 else self._pack(self.work, ranks)
+            out = run_graph(graph, self.params, in_cache_dtypes(graph, self.caches), batch, target)
+            self._outputs[key] = outputs_by_item(out, rows)
         return self._outputs[key]
+
+    def _pack(self, work, ranks: int):
+        """The check batch (after the warm-up) laid out for `ranks` data-parallel ranks, and its logit rows."""
+        seqs = _Sequences(self.cache, int(self.reference.meta["page_size"]), self.spread)
+        seqs.lengths = list(self._seqs_after_warmup)
+        return seqs.pack(work, self.bucket, ranks=ranks)
 
     def check(self, candidate: Graph, bound: float, against: Graph | None = None) -> CheckResult:
         """Compare `candidate` (target rules) with `against` (target rules; default: the unoptimized reference with
@@ -207,10 +250,10 @@ class EquivalenceChecker:
         rng = np.random.default_rng(self.seed + 1)
         prompt = rng.integers(3, int(base.meta["vocab_size"]), 8).tolist()
         page_size = int(base.meta["page_size"])
-        cache = CacheConfig(max_seqs=1, max_context=len(prompt) + steps + 1)
+        cache = CacheConfig(max_seqs=self.spread, max_context=len(prompt) + steps + 1)
         runs = []
         for graph, target in ((base, "reference" if against is None else self.target), (candidate, self.target)):
-            seqs = _Sequences(cache, page_size)
+            seqs = _Sequences(cache, page_size, self.spread)
             seqs.add()
             caches = empty_caches(graph_cache_types(graph), cache.sizes(page_size))
             runs.append([graph, target, seqs, caches])
@@ -220,10 +263,11 @@ class EquivalenceChecker:
             logits = []
             for run in runs:
                 graph, target, seqs, caches = run
-                batch = seqs.pack([(0, tokens)], token_bucket(len(tokens)), all_logits=False)
+                batch, rows = seqs.pack([(0, tokens)], token_bucket(len(tokens)), all_logits=False,
+                                        ranks=data_parallel_ranks(graph))
                 out = run_graph(graph, self.params, caches, batch, target)
                 run[3] = {k: out[k] for k in caches}
-                logits.append(out["logits"][0])
+                logits.append(out["logits"][rows[0][0]])
             ref, got = (np.asarray(x, np.float64) for x in logits)
             errors.append(float(np.abs(got - ref).max() / max(np.abs(ref).max(), 1e-30)))
             token = int(np.argmax(ref))

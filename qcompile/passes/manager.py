@@ -48,7 +48,8 @@ class PassRecord:
         """One human-readable line: status, what changed, max error, time."""
         if self.status == "skipped":
             return f"  {self.name:<26} skipped   {self.reason}"
-        what = ", ".join(f"{k}={v}" for k, v in self.stats.items()) or ("changed" if self.changed else "no change")
+        what = ", ".join(f"{k}={v}" for k, v in self.stats.items() if not isinstance(v, (list, dict)))  # details:
+        what = what or ("changed" if self.changed else "no change")  # the JSON report has them
         err = ""
         if self.check is not None:
             err = f"  max error {self.check['max_error']:.2e} (bound {self.check['bound']:.0e})"

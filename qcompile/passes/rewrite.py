@@ -210,6 +210,8 @@ def apply_rules(graph: Graph, rules: list[RewriteRule], max_rounds: int = 8) -> 
                     captures = Captures({k: mapping[v] for k, v in found.captures.items() if v in mapping},
                                         {k: graph.node(v.node).op for k, v in found.captures.items()})
                     new = _bind(rule, node, rule.build(builder, captures), found, mapping)
+                    _keep_shardings(graph, builder, [*node.results, *(found.captures[n] for n in rule.replaces)],
+                                    [*new, *(mapping[found.captures[n]] for n in rule.replaces)])
                     consumed |= found.nodes
                     fired[rule.name] += 1
                     replaced += 1
@@ -224,6 +226,14 @@ def apply_rules(graph: Graph, rules: list[RewriteRule], max_rounds: int = 8) -> 
             builder.output(name, mapping[value])
         graph = eliminate_dead_nodes(builder.build(graph.meta))
     raise RuntimeError(f"rewrite rules {[r.name for r in rules]} did not reach a fixpoint in {max_rounds} rounds")
+
+
+def _keep_shardings(graph: Graph, builder: Builder, old: list[Value], new: list[Value]) -> None:
+    """A replacement keeps the layout of what it replaces: a new result without a sharding takes the old one's."""
+    for before, after in zip(old, new):
+        sharding = graph.type_of(before).sharding
+        if sharding is not None and builder.type_of(after).sharding is None:
+            builder.annotate(after, sharding)
 
 
 def _bind(rule: RewriteRule, root: Node, built, found: Match, mapping: dict) -> tuple:

@@ -8,6 +8,11 @@ and decode tokens mixed freely) with `ir.abi.pack_batch`, pads it to a power-of-
 program with the caches donated so they are updated in place. Greedy sampling happens on the device: a decode step
 brings back one token id per sequence, and logits only when asked. A sequence owns one GDN state slot (zeroed when
 it is admitted) and KV pages allocated as it grows.
+
+On a graph laid out with attention data parallelism (gqa-sharding; `ranks` > 1) each rank has its own share of the
+slots and of the page pool (ir/abi.py): a new sequence goes to the rank with the most free slots, its pages come from
+that rank's pool, and a step's token bucket is the fullest rank's. The parameters and caches are placed on the mesh
+with their shardings once, so a step moves no weights.
 """
 
 from __future__ import annotations
@@ -22,8 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from qcompile.errors import UsageError
-from qcompile.ir.abi import (LOGITS, NEXT_TOKENS, CacheConfig, WorkItem, batch_specs, cache_specs, graph_cache_types,
-                             pack_batch, token_bucket)
+from qcompile.ir.abi import (LOGITS, NEXT_TOKENS, CacheConfig, WorkItem, batch_specs, cache_specs, data_parallel_ranks,
+                             graph_cache_types, pack_ranked, token_bucket)
 from qcompile.ir.graph import Graph
 from qcompile.ir.lowering import host_target, step_function
 from qcompile.ir.types import np_dtype
@@ -58,6 +63,28 @@ class GraphProgram:
         self._jitted = {flag: jax.jit(step_function(graph, self.target, flag), donate_argnums=(1,))
                         for flag in (True, False)}
         self.compiled_buckets = CompiledBuckets()
+        self.ranks = data_parallel_ranks(graph)
+        self._mesh = graph.meta.get("mesh") if self.ranks > 1 else None
+        self._jax_mesh = self._mesh.jax_mesh() if self._mesh is not None else None
+
+    def _sharding(self, type_):
+        return jax.sharding.NamedSharding(self._jax_mesh, self._mesh.partition_spec(type_.sharding))
+
+    def place_params(self, params: dict) -> dict:
+        """The parameters on the graph's mesh, each with its sharding (unchanged without a mesh)."""
+        if self._mesh is None:
+            return params
+        from qcompile.ir.ops.core import Param
+
+        types = {node.op.name: node.op.type for node in self.graph.find(Param)}
+        return {name: jax.device_put(value, self._sharding(types[name])) if name in types else value
+                for name, value in params.items()}
+
+    def place_caches(self, caches: dict) -> dict:
+        """The caches on the graph's mesh, each rank's slots and pages on its device (unchanged without a mesh)."""
+        if self._mesh is None:
+            return caches
+        return {name: jax.device_put(value, self._sharding(self.cache_types[name])) for name, value in caches.items()}
 
     @classmethod
     def of(cls, graph: Graph, target: str | None = None) -> "GraphProgram":
@@ -78,20 +105,22 @@ class GraphProgram:
         return self.executable(params, caches, batch, with_logits)(params, caches, batch)
 
 
-def _zero_slot(arr, slot):
+def _zero_slot(arr, slot, native_ok: bool = True):
     """arr with arr[slot] = 0, in place. bf16 arrays go through the native kernel `qcompile_zero_slot` where it can be
     built: XLA CPU runs a bf16 dynamic-update-slice as a convert fusion over the whole array (measured 3-5 ms per
     8.6 MB state cache, once per layer per new sequence: 170 ms of a 32-sequence prefill step with bf16 states)."""
-    if arr.dtype == jnp.bfloat16 and native.ensure(ZERO_SLOT):
+    if native_ok and arr.dtype == jnp.bfloat16 and native.ensure(ZERO_SLOT):
         call = jax.ffi.ffi_call(ZERO_SLOT, jax.ShapeDtypeStruct(arr.shape, arr.dtype), input_output_aliases={0: 0})
         return call(arr, jnp.asarray(slot, jnp.int32))
     return arr.at[slot].set(0)
 
 
-@functools.partial(jax.jit, donate_argnums=(0,))
-def _reset_slot(caches, slot):
-    """Zero one sequence slot of every GDN state cache (a new sequence starts from empty state)."""
-    return {name: (_zero_slot(arr, slot) if name.endswith("_state") else arr) for name, arr in caches.items()}
+@functools.partial(jax.jit, donate_argnums=(0,), static_argnums=(2,))
+def _reset_slot(caches, slot, native_ok: bool = True):
+    """Zero one sequence slot of every GDN state cache (a new sequence starts from empty state). On a mesh, XLA's
+    partitioner updates the one device that holds the slot (the native kernel would see a whole array)."""
+    return {name: (_zero_slot(arr, slot, native_ok) if name.endswith("_state") else arr)
+            for name, arr in caches.items()}
 
 
 class Engine:
@@ -100,7 +129,11 @@ class Engine:
         if isinstance(program, Graph):
             program = GraphProgram.of(program, target)
         self.program = program
-        self.params = params
+        self.ranks = getattr(program, "ranks", 1)
+        if cache.max_seqs % self.ranks:
+            raise UsageError(f"{cache.max_seqs} sequence slots do not split over {self.ranks} data-parallel ranks; "
+                             f"give --max-seqs a multiple of {self.ranks}")
+        self.params = program.place_params(params) if self.ranks > 1 else params
         self.cache_cfg = cache
         self.page_size = int(program.page_size)
         self.pages_per_seq = cache.pages_per_seq(self.page_size)
@@ -109,14 +142,35 @@ class Engine:
         if memory_budget is not None:
             self.check_memory_budget(memory_budget)
         self.caches = {name: jnp.zeros(t.bind(self.sizes), np_dtype(t.dtype)) for name, t in program.cache_types.items()}
-        self.free_slots = list(range(cache.max_seqs))
-        self.free_pages = list(range(self.sizes["P"]))
+        if self.ranks > 1:
+            self.caches = program.place_caches(self.caches)
+        if self.sizes["P"] % self.ranks:
+            raise UsageError(f"{self.sizes['P']} KV pages do not split over {self.ranks} data-parallel ranks; give "
+                             f"--num-pages a multiple of {self.ranks}")
+        # Per data-parallel rank: its free slots and pages (one rank without a mesh).
+        slots, pages = cache.max_seqs // self.ranks, self.sizes["P"] // self.ranks
+        self.free_slots_by_rank = [list(range(r * slots, (r + 1) * slots)) for r in range(self.ranks)]
+        self.free_pages_by_rank = [list(range(r * pages, (r + 1) * pages)) for r in range(self.ranks)]
         self.last_batch: dict | None = None
+
+    @property
+    def free_slots(self) -> list[int]:
+        return [slot for free in self.free_slots_by_rank for slot in free]
+
+    @property
+    def free_pages(self) -> list[int]:
+        return [page for free in self.free_pages_by_rank for page in free]
+
+    def rank_of(self, seq: "Sequence") -> int:
+        return seq.slot // (self.cache_cfg.max_seqs // self.ranks)
 
     # -- memory ----------------------------------------------------------------------------------------------------
 
     def largest_step(self) -> tuple[int, int]:
         """(tokens, logit rows) of the largest step this engine makes without prompt logits."""
+        if self.ranks > 1:  # every rank's bucket as large as the whole step could be
+            return self.ranks * token_bucket(max(self.cache_cfg.max_step_tokens, self.cache_cfg.max_seqs)), \
+                self.cache_cfg.max_seqs
         return self.program.token_bucket(max(self.cache_cfg.max_step_tokens, self.cache_cfg.max_seqs)), \
             self.cache_cfg.max_seqs
 
@@ -125,10 +179,10 @@ class Engine:
         largest step, with min(T, max_seqs) logit rows (so a server's first requests do not wait for XLA)."""
         tokens, _ = self.largest_step()
         caches = cache_specs(self.program.cache_types, self.sizes)
-        t = 1
-        while t <= tokens:
-            self.program.executable(self.params, caches, batch_specs(t, min(t, self.cache_cfg.max_seqs), self.sizes),
-                                    False)
+        t, slots = 1, self.cache_cfg.max_seqs // self.ranks
+        while t * self.ranks <= tokens:
+            self.program.executable(self.params, caches, batch_specs(t * self.ranks, self.ranks * min(t, slots),
+                                                                     self.sizes, self.ranks), False)
             t *= 2
 
     def check_memory_budget(self, budget: int) -> dict:
@@ -139,8 +193,8 @@ class Engine:
         caches = cache_bytes({n: (t.bind(self.sizes), np_dtype(t.dtype)) for n, t in self.program.cache_types.items()})
         tokens, rows = self.largest_step()
         analysis = compiled_memory(self.program.executable(
-            self.params, cache_specs(self.program.cache_types, self.sizes), batch_specs(tokens, rows, self.sizes),
-            False)) or {}
+            self.params, cache_specs(self.program.cache_types, self.sizes),
+            batch_specs(tokens, rows, self.sizes, self.ranks), False)) or {}
         temporaries = analysis.get("temporaries", 0)
         # The process's own memory (the JAX runtime, XLA and the executables compiled so far): what is resident now
         # beyond the weights' copies; weights used in place from a mapped file are not resident yet.
@@ -179,16 +233,22 @@ class Engine:
 
     # -- sequences -------------------------------------------------------------------------------------------------
 
+    def next_rank(self) -> int:
+        """The rank `add_sequence` places the next sequence on: the one with the most free slots (the lowest first)."""
+        return max(range(self.ranks), key=lambda r: (len(self.free_slots_by_rank[r]), -r))
+
     def add_sequence(self) -> Sequence:
-        if not self.free_slots:
+        rank = self.next_rank()
+        if not self.free_slots_by_rank[rank]:
             raise UsageError(f"all {self.cache_cfg.max_seqs} sequence slots are in use; raise --max-seqs")
-        seq = Sequence(self.free_slots.pop(0))
-        self.caches = _reset_slot(self.caches, jnp.int32(seq.slot))
+        seq = Sequence(self.free_slots_by_rank[rank].pop(0))
+        self.caches = _reset_slot(self.caches, jnp.int32(seq.slot), self.ranks == 1)
         return seq
 
     def release(self, seq: Sequence) -> None:
-        self.free_pages.extend(seq.pages)
-        self.free_slots.append(seq.slot)
+        rank = self.rank_of(seq)
+        self.free_pages_by_rank[rank].extend(seq.pages)
+        self.free_slots_by_rank[rank].append(seq.slot)
         seq.pages, seq.length = [], 0
 
     def _reserve(self, seq: Sequence, new_tokens: int) -> None:
@@ -197,52 +257,59 @@ class Engine:
             raise UsageError(f"sequence of {total} tokens exceeds the max context {self.cache_cfg.max_context}; "
                              "raise --max-context")
         need = math.ceil(total / self.page_size) - len(seq.pages)
-        if need > len(self.free_pages):
-            raise UsageError(f"the KV page pool ({self.sizes['P']} pages of {self.page_size} tokens) is exhausted; "
-                             "raise --max-context or --num-pages")
-        seq.pages.extend(self.free_pages[:need])
-        del self.free_pages[:need]
+        free = self.free_pages_by_rank[self.rank_of(seq)]
+        if need > len(free):
+            where = f" (rank {self.rank_of(seq)}'s share)" if self.ranks > 1 else ""
+            raise UsageError(f"the KV page pool ({self.sizes['P']} pages of {self.page_size} tokens){where} is "
+                             "exhausted; raise --max-context or --num-pages")
+        seq.pages.extend(free[:need])
+        del free[:need]
 
     # -- one step --------------------------------------------------------------------------------------------------
 
     def _run(self, work: list[tuple[Sequence, list[int]]], all_logits: bool, with_logits: bool) -> dict:
         if len(work) > self.cache_cfg.max_seqs:
             raise UsageError(f"{len(work)} sequences in one step; at most {self.cache_cfg.max_seqs}")
-        total = sum(len(tokens) for _, tokens in work)
-        num_tokens = self.program.token_bucket(max(total, 1))
+        # Tokens per rank: all of them with one rank; the fullest rank's bucket sets every rank's otherwise.
+        per_rank = [0] * self.ranks
+        for seq, tokens in work:
+            per_rank[self.rank_of(seq)] += len(tokens)
+        bucket = self.program.token_bucket(max(max(per_rank), 1))
+        num_tokens = bucket * self.ranks
         # Logit rows: every token slot (all_logits), else one per sequence — as few as the bucket allows: a T-token
         # step has at most T sequences, so a step smaller than the slot count uses R = T (an artifact exports (T, T)
         # for every T) instead of computing lm_head and greedy for max_seqs rows (one live sequence of a 32-slot
         # artifact decoded at 26-28 tok/s with R = 32, 38-41 with R = 1).
-        rows = num_tokens if all_logits else min(num_tokens, self.cache_cfg.max_seqs)
+        slots = self.cache_cfg.max_seqs // self.ranks
+        rows = num_tokens if all_logits else self.ranks * min(bucket, slots)
         items = []
         for seq, tokens in work:
             self._reserve(seq, len(tokens))
             items.append(WorkItem(seq.slot, tuple(seq.pages), seq.length, tuple(tokens)))
-        batch = pack_batch(items, num_tokens=num_tokens, rows=rows, max_seqs=self.cache_cfg.max_seqs,
-                           pages_per_seq=self.pages_per_seq, all_logits=all_logits)
+        batch, item_rows = pack_ranked(items, num_tokens=num_tokens, rows=rows, max_seqs=self.cache_cfg.max_seqs,
+                                       pages_per_seq=self.pages_per_seq, pool_pages=self.sizes["P"],
+                                       all_logits=all_logits, ranks=self.ranks)
         self.last_batch = batch  # the packed inputs of the latest step (for probes and debugging)
         outputs = self.program(self.params, self.caches, batch, with_logits)
         self.caches = {name: outputs[name] for name in self.cache_names}
         for seq, tokens in work:
             seq.length += len(tokens)
+        outputs["item_rows"] = item_rows
         return outputs
 
     def step(self, work: list[tuple[Sequence, list[int]]], all_logits: bool = False) -> list[np.ndarray]:
         """Run one ragged step. Returns, per work item, logits [n, V] (all_logits) or [V] for its last token."""
-        logits = np.asarray(self._run(work, all_logits, True)[LOGITS])
+        outputs = self._run(work, all_logits, True)
+        logits = np.asarray(outputs[LOGITS])
         if not all_logits:
-            return [logits[index] for index in range(len(work))]
-        result, start = [], 0
-        for _, tokens in work:
-            result.append(logits[start:start + len(tokens)])
-            start += len(tokens)
-        return result
+            return [logits[rows[0]] for rows in outputs["item_rows"]]
+        return [logits[rows[0]:rows[-1] + 1] for rows in outputs["item_rows"]]
 
     def step_tokens(self, work: list[tuple[Sequence, list[int]]]) -> list[int]:
         """Run one ragged step; returns the greedy next token of each work item (only token ids leave the device)."""
-        tokens = np.asarray(self._run(work, False, False)[NEXT_TOKENS])
-        return [int(tokens[index]) for index in range(len(work))]
+        outputs = self._run(work, False, False)
+        tokens = np.asarray(outputs[NEXT_TOKENS])
+        return [int(tokens[rows[0]]) for rows in outputs["item_rows"]]
 
     def prefill(self, work: list[tuple[Sequence, list[int]]], all_logits: bool = False,
                 with_logits: bool = True) -> list:

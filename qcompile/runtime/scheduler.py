@@ -14,6 +14,9 @@ meanwhile; served workloads keep the batch full instead. Policy, per step:
     4. one engine step (greedy on the device; only token ids come back); a request whose last prompt chunk or decode
        token ran gets its next token, and finishes on a stop id or at its max new tokens, freeing its slot and pages.
 
+With data-parallel ranks (engine.ranks > 1) pages are counted per rank: a request is admitted when the rank it
+would go to has the pages, and the request preempted is the youngest on a rank whose plan outgrows its pool.
+
 `Scheduler.stream(requests)` yields `(request, token)` as tokens are made; `run` returns every request finished.
 """
 
@@ -66,9 +69,11 @@ class Scheduler:
         if total > self.engine.cache_cfg.max_context:
             raise UsageError(f"request {request.id!r}: {total} tokens exceed the max context "
                              f"{self.engine.cache_cfg.max_context}")
-        if self._pages(request) > self.engine.sizes["P"]:
-            raise UsageError(f"request {request.id!r} needs {self._pages(request)} KV pages; the pool has "
-                             f"{self.engine.sizes['P']}")
+        pool = self.engine.sizes["P"] // self.engine.ranks
+        if self._pages(request) > pool:
+            where = f" of each of {self.engine.ranks} ranks" if self.engine.ranks > 1 else ""
+            raise UsageError(f"request {request.id!r} needs {self._pages(request)} KV pages; the pool{where} has "
+                             f"{pool}")
         request.submitted_at = time.perf_counter()
         self.waiting.append(request)
 
@@ -78,14 +83,18 @@ class Scheduler:
         length = request.seq.length if request.seq is not None else 0
         return max(0, math.ceil((length + tokens) / self.engine.page_size) - held)
 
+    def _rank(self, request: Request) -> int:
+        return self.engine.rank_of(request.seq)
+
     def _admit(self) -> None:
         while self.waiting and self.engine.free_slots:
             request = self.waiting[0]
             if request.feed is None:
                 request.feed = list(request.prompt)
-            # pages the running requests' next decode tokens will take come first
-            spare = len(self.engine.free_pages) - sum(self._new_pages(r, 1) for r in self.running
-                                                      if r.prefilled == len(r.feed))
+            # pages the running requests' next decode tokens will take come first (on the rank it would go to)
+            rank = self.engine.next_rank()
+            spare = len(self.engine.free_pages_by_rank[rank]) - sum(
+                self._new_pages(r, 1) for r in self.running if r.prefilled == len(r.feed) and self._rank(r) == rank)
             if math.ceil((len(request.feed) + 1) / self.engine.page_size) > spare:
                 break  # oldest first: later requests wait behind it rather than starve it
             self.waiting.popleft()
@@ -114,13 +123,26 @@ class Scheduler:
                 left -= take
         return plan
 
+    def _short_rank(self, plan) -> int | None:
+        """A rank whose part of the plan needs more new pages than it has free (None when every rank has them)."""
+        need = [0] * self.engine.ranks
+        for request, tokens, _ in plan:
+            need[self._rank(request)] += self._new_pages(request, len(tokens))
+        for rank, pages in enumerate(need):
+            if pages > len(self.engine.free_pages_by_rank[rank]):
+                return rank
+        return None
+
     def step(self) -> list[tuple[Request, int]]:
         """One engine step; returns the (request, new token) pairs it made (empty when nothing is left to do)."""
         self._admit()
         plan = self._plan()
-        while len(self.running) > 1 and sum(self._new_pages(r, len(t)) for r, t, _ in plan) > len(
-                self.engine.free_pages):
-            self._preempt(self.running[-1])
+        while len(self.running) > 1:
+            short = self._short_rank(plan)
+            if short is None:
+                break
+            # A request needs at most a rank's pool (submit), so a short rank runs two or more: preempt its youngest.
+            self._preempt([r for r in self.running if self._rank(r) == short][-1])
             plan = self._plan()
         if not plan:
             return []

@@ -3,7 +3,7 @@
 Shapes in the IR are global, so a collective changes a value's sharding, not its shape:
 
     all_gather(x)     {axis=d, over=L}                   x split along L in dim d      -> whole in dim d
-    reduce_scatter(x) {axis=d, over=L}                   x a partial sum over L         -> summed, split along L in dim d
+    reduce_scatter(x) {axis=d, over=L, split=L2}         x a partial sum over L         -> summed, split along L2 in dim d
     all_reduce(x)     {over=L}                           x a partial sum over L         -> summed, whole
     all_to_all(x)     {split_axis=s, concat_axis=c, over=L}   split along L in dim c    -> split along L in dim s
 
@@ -50,12 +50,19 @@ class AllGather:
 @op("reduce_scatter")
 @attrs.frozen
 class ReduceScatter:
-    """reduce_scatter(x) {axis, over, mesh_axes}: x, a partial sum over logical axis `over`, summed across it and
-    split along it in dim `axis` (each device keeps its block of the sum)."""
+    """reduce_scatter(x) {axis, over, mesh_axes, split}: x, a partial sum over logical axis `over`, summed across it
+    and split in dim `axis` (each device keeps its block of the sum) along logical axis `split` ("": `over` itself),
+    which must map to the same mesh axes — e.g. an MoE layer's partial sum over `experts` scattered back to the
+    tokens' `batch` split."""
 
     axis: int
     over: str
     mesh_axes: tuple[str, ...] = attrs.field(converter=_names)
+    split: str = ""
+
+    @property
+    def split_axis(self) -> str:
+        return self.split or self.over
 
 
 @op("all_reduce")
@@ -93,7 +100,7 @@ def _reduce_scatter_type(op_, x):
     expect(op_.over in sharding.partial, f"reduce_scatter over {op_.over!r}: {x} is not a partial sum over it")
     expect(sharding.dims[d] is None, f"reduce_scatter in dim {d}: {x} is already split there")
     dims = list(sharding.dims)
-    dims[d] = op_.over
+    dims[d] = op_.split_axis
     return x.with_sharding(Sharding(tuple(dims), tuple(a for a in sharding.partial if a != op_.over)))
 
 

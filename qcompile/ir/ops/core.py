@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from qcompile.ir.cost import Cost, cost, nbytes
 from qcompile.ir.registry import expect, lowering, op, type_rule
-from qcompile.ir.types import TensorType, num_elements_key, np_dtype
+from qcompile.ir.types import Sharding, TensorType, num_elements_key, np_dtype
 from qcompile.kernels.grouped_matmul import swiglu_halves
 from qcompile.kernels.linear import greedy_cpu, linear_cpu
 
@@ -166,7 +166,8 @@ class Transpose:
 @type_rule(Transpose)
 def _transpose_type(op_, x):
     expect(sorted(op_.perm) == list(range(x.rank)), f"transpose perm {list(op_.perm)} is not a permutation of {x}'s axes")
-    return x.with_shape([x.shape[i] for i in op_.perm])
+    sharding = x.sharding and Sharding(tuple(x.sharding.dims[i] for i in op_.perm), x.sharding.partial)
+    return TensorType(x.dtype, tuple(x.shape[i] for i in op_.perm), sharding=sharding)
 
 
 @lowering(Transpose)
@@ -190,7 +191,8 @@ def _slice_type(op_, x):
     expect(isinstance(dim, int) and 0 <= op_.start < op_.stop <= dim, f"slice {op_.start}:{op_.stop} out of {x}")
     shape = list(x.shape)
     shape[op_.axis] = op_.stop - op_.start
-    return x.with_shape(shape)
+    keep = x.sharding is not None and x.sharding.dims[op_.axis % x.rank] is None  # a split dim is not cut locally
+    return TensorType(x.dtype, tuple(shape), sharding=x.sharding if keep else None)
 
 
 @lowering(Slice)
@@ -222,7 +224,10 @@ def _concat_type(op_, *xs):
         total += dim
     shape = list(first.shape)
     shape[axis] = total
-    return first.with_shape(shape)
+    sharding = first.sharding  # kept when every operand is laid out alike and the joined dim is not split
+    keep = (sharding is not None and sharding.dims[axis] is None and not sharding.partial
+            and all(x.sharding == sharding for x in xs))
+    return TensorType(first.dtype, tuple(shape), sharding=sharding if keep else None)
 
 
 @lowering(Concat)

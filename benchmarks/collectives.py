@@ -1,0 +1,116 @@
+"""Collective bytes per step of a laid-out model, read from the compiled program, and step time on the simulated mesh.
+
+    python benchmarks/collectives.py CHECKPOINT [--mesh 8] [--tokens 32] [--json FILE]
+
+For one decode-shaped step (T tokens, one per sequence, R = T rows) of CHECKPOINT's unoptimized graph and of the
+graph gqa-sharding lays out on the mesh, this compiles the step with XLA (cpu rules) and lists every collective in
+the optimized HLO with the bytes of its result on one device; it then times the step (median of repeats) on one
+device and on the simulated mesh. The simulated devices share this host's cores, so the times are cost structure
+(what the layout adds: collectives, per-rank padding), not speed. It also prints gqa-sharding's prediction of the
+collective bytes per decode step for the same shape, and for Qwen3.5-397B-A17B on 8 devices at concurrency 64.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+
+BYTES = {"f32": 4, "bf16": 2, "s32": 4, "u32": 4, "f16": 2, "s8": 1, "u8": 1, "pred": 1}
+COLLECTIVE = re.compile(r"=\s*(\(?[a-z0-9]+\[[^=]*?)\s(all-gather|reduce-scatter|all-reduce|all-to-all)(?:-start)?\(")
+SHAPE = re.compile(r"([a-z0-9]+)\[([0-9,]*)\]")
+
+
+def collectives(hlo: str) -> dict[str, dict]:
+    """kind -> {count, bytes}: each collective's result bytes on one device (async pairs counted once)."""
+    found: dict[str, dict] = {}
+    for match in COLLECTIVE.finditer(hlo):
+        shapes, kind = match.group(1), match.group(2)
+        size = 0
+        for dtype, dims in SHAPE.findall(shapes):
+            count = 1
+            for d in filter(None, dims.split(",")):
+                count *= int(d)
+            size += count * BYTES.get(dtype, 4)
+        entry = found.setdefault(kind, {"count": 0, "bytes": 0})
+        entry["count"] += 1
+        entry["bytes"] += size
+    return found
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("checkpoint", type=Path)
+    parser.add_argument("--mesh", default="8")
+    parser.add_argument("--tokens", type=int, default=32, help="decode tokens (sequences) in the step")
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--flagship", type=Path, metavar="CHECKPOINT",
+                        help="also predict for this full-size checkpoint (e.g. a sparse qwen3.5-397b from init-tiny "
+                             "--sparse; only its config and tensor shapes are read) at concurrency 64, context 8192")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+
+    from qcompile.ir.mesh import parse_mesh_spec
+
+    mesh = parse_mesh_spec(args.mesh)
+    jax.config.update("jax_num_cpu_devices", mesh.size)
+
+    from qcompile.compiler.distribute import lay_out
+    from qcompile.frontend.checkpoint import Checkpoint
+    from qcompile.ir.abi import CacheConfig
+    from qcompile.ir.importer import build_graph
+    from qcompile.ir.weights import fold_weight_preparation, load_params
+    from qcompile.passes.gqa_sharding import model_facts, plans
+    from qcompile.runtime.engine import Engine
+
+    ckpt = Checkpoint.open(args.checkpoint)
+    graph = fold_weight_preparation(build_graph(ckpt, None, 16))
+    params = load_params(ckpt, graph, progress=False)
+    context = 64
+    laid_out = lay_out(graph, mesh, concurrency=args.tokens, max_context=context)
+    report = {"checkpoint": str(args.checkpoint), "mesh": list(mesh.shape), "tokens": args.tokens, "builds": {}}
+    for label, g in (("single device", graph), (f"gqa-sharding on {args.mesh}", laid_out)):
+        slots = -(-args.tokens // mesh.size) * mesh.size
+        engine = Engine(g, params, CacheConfig(max_seqs=slots, max_context=context, max_step_tokens=args.tokens))
+        seqs = [engine.add_sequence() for _ in range(args.tokens)]
+        work = [(s, [3 + i]) for i, s in enumerate(seqs)]
+        engine.step_tokens(work)  # compile + warm-up
+        batch = engine.last_batch
+        hlo = engine.program.executable(engine.params, engine.caches, batch, False).as_text()
+        times = []
+        for _ in range(args.repeats):
+            started = time.perf_counter()
+            engine.step_tokens(work)
+            times.append(time.perf_counter() - started)
+        found = collectives(hlo)
+        report["builds"][label] = {"collectives": found, "step_ms_median": 1e3 * statistics.median(times)}
+        print(f"{label:<28} step {1e3 * statistics.median(times):7.2f} ms (median of {args.repeats}); collectives: "
+              + (", ".join(f"{k} x{v['count']} {v['bytes'] / 1024:.1f} KiB" for k, v in found.items()) or "none"))
+        del engine
+    facts = model_facts(graph)
+    predicted = {p.name: {"moe_collective_bytes": p.moe_bytes, "tp_allreduce_bytes": p.tp_allreduce_bytes}
+                 for p in plans(facts, mesh.size, args.tokens, context)}
+    report["predicted_bytes_per_device_per_step"] = predicted
+    print(f"predicted per device per decode step at concurrency {args.tokens}: "
+          + ", ".join(f"{k}: MoE {v['moe_collective_bytes'] / 1024:.1f} KiB + TP all-reduce "
+                      f"{v['tp_allreduce_bytes'] / 1024:.1f} KiB" for k, v in predicted.items()))
+    if args.flagship:
+        flagship = model_facts(build_graph(Checkpoint.open(args.flagship), None, 16))
+        report["flagship_predicted"] = {p.name: p.to_json() for p in plans(flagship, 8, 64, 8192)}
+        for p in plans(flagship, 8, 64, 8192):
+            print(f"flagship {p.name:<12} per device: weights {p.weight_bytes / 2**30:.1f} GiB, KV "
+                  f"{p.kv_bytes / 2**30:.2f} GiB, state {p.state_bytes / 2**30:.2f} GiB; per decode step: MoE "
+                  f"collectives {p.moe_bytes / 2**20:.2f} MiB, TP all-reduce {p.tp_allreduce_bytes / 2**20:.2f} MiB")
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,232 @@
+"""gqa-sharding: the plan choice (every plan costed, the switch from tensor to data parallelism as concurrency grows),
+the layout it applies (golden IR), the cases it leaves alone, the sharded graph against the single-device graph on
+8, 2x4 and 4 simulated CPU devices (both families, prefill + decode + mixed in one check batch), a wrong expert
+remapping caught, the engine and the scheduler on data-parallel ranks, the rank-local step ABI, and `--mesh`.
+
+The suite's JAX has 8 CPU devices (tests/conftest.py).
+"""
+
+from __future__ import annotations
+
+import attrs
+import jax
+import numpy as np
+import pytest
+
+from conftest import write_small
+from qcompile.ir.abi import WorkItem, data_parallel_ranks, pack_batch, pack_ranked
+from qcompile.ir.importer import build_graph
+from qcompile.ir.mesh import Mesh, parse_mesh_spec
+from qcompile.ir.ops.expert_parallel import MoeDispatchLocal
+from qcompile.ir.printer import print_graph
+from qcompile.ir.registry import LOWERINGS
+from qcompile.ir.verifier import verify
+from qcompile.ir.weights import fold_weight_preparation, load_params
+from qcompile.passes.base import PassContext
+from qcompile.passes.equivalence import EquivalenceChecker
+from qcompile.passes.gqa_sharding import GQA_SHARDING, ModelFacts, choose, plans
+from qcompile.frontend.checkpoint import Checkpoint
+
+FLAGSHIP = ModelFacts(  # Qwen3.5-397B-A17B in bf16 (shared/spec): 15 attention + 45 GDN layers, 512 experts
+    query_heads=32, kv_heads=2, head_dim=256, kv_itemsize=2, attention_layers=15,
+    state_bytes_per_seq=45 * (64 * 128 * 128 * 4 + 8192 * 3 * 4), gdn_heads=64, num_experts=512,
+    expert_bytes=750 * 2**30, split_bytes=40 * 2**30, replicated_bytes=4 * 2**30, hidden=4096, layers=60,
+    act_itemsize=2, moe_layers=60, top_k=10)
+
+
+def _laid_out(graph, spec: str = "8", **options):
+    graph.meta["mesh"] = parse_mesh_spec(spec)
+    return GQA_SHARDING.run(graph, PassContext(options=tuple(options.items())))
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    path = write_small(tmp_path_factory.mktemp("small") / "ckpt")
+    checkpoint = Checkpoint.open(path)
+    graph = build_graph(checkpoint, None, 16)
+    return checkpoint, graph, load_params(checkpoint, graph, progress=False)
+
+
+def test_every_plan_is_costed_and_the_plan_follows_the_concurrency():
+    low = plans(FLAGSHIP, 8, concurrency=4, context=8192)
+    assert [p.name for p in low] == ["dp8+ep", "dp4xtp2+ep", "dp2xtp4+ep", "tp8+ep"]
+    by_name = {p.name: p for p in low}
+    # 2 KV heads: beyond TP2 each device still keeps one whole head, so TP8 (4 sequences per device) holds 4x the KV
+    # of DP4xTP2 (one sequence per rank)
+    assert by_name["tp8+ep"].kv_bytes == 4 * by_name["dp4xtp2+ep"].kv_bytes == 4 * 8192 * 2 * 256 * 2 * 15
+    assert by_name["dp8+ep"].weight_bytes > by_name["dp4xtp2+ep"].weight_bytes > by_name["tp8+ep"].weight_bytes
+    best, applied, why = choose(low)
+    assert best.tp > 1 and applied.name == "dp8+ep" and "not lowered yet" in why  # weights dominate at 4 requests
+    assert best.name == "tp8+ep"
+    best, applied, why = choose(plans(FLAGSHIP, 8, concurrency=512, context=8192))
+    assert best.name == "dp4xtp2+ep" and "not lowered yet" in why  # the replicated KV of TP8 dominates
+    chosen = [choose(plans(FLAGSHIP, 8, c, 8192))[0].tp for c in (1, 4, 8, 16, 32, 64, 128, 256, 512)]
+    assert chosen == sorted(chosen, reverse=True) and chosen[0] == 8 and chosen[-1] == 2  # narrower TP as C grows
+    # one KV head per device fits TP8 with 8 KV heads: no replication, so TP8 keeps winning at 512
+    assert choose(plans(attrs.evolve(FLAGSHIP, kv_heads=8), 8, 512, 8192))[0].name == "tp8+ep"
+    # a tie in bytes goes to the plan whose collectives move less: no weights to split, DP needs no all-reduce
+    flat = attrs.evolve(FLAGSHIP, split_bytes=0)
+    assert choose(plans(flat, 8, 64, 8192))[0].name == "dp8+ep"
+    assert by_name["dp8+ep"].tp_allreduce_bytes == 0 < by_name["dp4xtp2+ep"].tp_allreduce_bytes
+
+
+def test_golden_layout_of_an_moe_layer(small):
+    _, graph, _ = small
+    result = _laid_out(graph, concurrency=8, max_context=64)
+    assert result.changed and result.stats["plan"] == "dp8+ep" and result.stats["moe_layers"] == 2
+    assert {p["plan"] for p in result.stats["plans"]} >= {"dp8+ep", "dp4xtp2+ep"}
+    verify(result.graph)
+    text = print_graph(result.graph)
+    assert 'mesh {axes=["model"], shape=[8], devices=[0, 1, 2, 3, 4, 5, 6, 7], rules=[["batch", "model"], ' \
+           '["experts", "model"]]}' in text
+    assert 'input "query_start" : i32[B+8]<batch>' in text
+    assert 'input "token_ids" : i32[T]<batch>' in text
+    assert 'input "layers.1.k_pages" : f32[P,16,2,64]<batch,_,_,_>' in text
+    assert 'input "layers.0.recurrent_state" : f32[S,4,16,32]<batch,_,_,_>' in text
+    assert "<experts,_,_>" in text and "all_to_all" not in text
+    moe = [line.split(" = ", 1)[1].split("(")[0] for line in text.splitlines()
+           if any(k in line for k in ("all_gather", "routing", "moe_", "reduce_scatter"))]
+    assert moe[:8] == ["all_gather", "pack_routing", "all_gather", "unpack_routing", "moe_dispatch_local",
+                       "moe_combine", "reduce_scatter", "all_gather"]
+    assert ('reduce_scatter(%' in text and '{axis=0, over="experts", mesh_axes=["model"], split="batch"} : '
+            'f32[T,96]<batch,_>' in text)
+    assert data_parallel_ranks(result.graph) == 8 and data_parallel_ranks(graph) == 1
+
+
+def test_not_transformed_without_devices_or_when_experts_do_not_split(small):
+    _, graph, _ = small
+    graph = graph.__class__(graph.dag, graph.outputs, {**graph.meta})
+    graph.meta.pop("mesh", None)
+    assert GQA_SHARDING.run(graph, PassContext()).skipped.startswith("one device")
+    assert _laid_out(graph, "1").skipped.startswith("one device")
+    skipped = _laid_out(graph, "3").skipped
+    assert skipped == "8 experts do not split over 3 devices"
+    laid_out = _laid_out(graph).graph
+    assert GQA_SHARDING.run(laid_out, PassContext()).skipped == "the graph is laid out on its mesh already"
+
+
+@pytest.mark.parametrize("family, spec", [("qwen3_5_moe", "8"), ("qwen3_next", "2x4"), ("qwen3_5_moe", "4")])
+def test_the_sharded_graph_equals_the_single_device_graph(tmp_path, family, spec):
+    path = write_small(tmp_path / "ckpt", family)
+    checkpoint = Checkpoint.open(path)
+    graph = build_graph(checkpoint, None, 16)
+    params = load_params(checkpoint, graph, progress=False)
+    laid_out = _laid_out(graph, spec).graph
+    checker = EquivalenceChecker(graph, params, target="cpu")  # 3 sequences on 3 ranks: decode, continuation, prefill
+    result = checker.check(laid_out, 5e-5)
+    assert result.ok, result.reason
+    assert set(result.errors) >= {"logits", "next_tokens", "layers.0.recurrent_state", "layers.1.k_pages"}
+    assert 0 < result.errors["logits"] < 5e-5
+
+
+def test_a_wrong_expert_remapping_is_caught(small, monkeypatch):
+    import jax.numpy as jnp
+
+    _, graph, params = small
+    laid_out = _laid_out(graph).graph  # the reference graph now has the mesh: the checker spreads sequences on it
+    assert EquivalenceChecker(graph, params).check(laid_out, 1e-5).ok
+
+    def forgets_the_first_local_expert(op_, x, ids):  # every device takes global ids 0..E/D-1 as its own
+        local = op_.num_experts // jax.lax.axis_size(op_.mesh_axes)
+        flat = ids.reshape(-1)
+        flat = jnp.where(flat < local, flat, local)
+        order = jnp.argsort(flat, stable=True).astype(jnp.int32)
+        return jnp.take(x, order // ids.shape[1], axis=0), jnp.bincount(flat, length=local).astype(jnp.int32), order
+
+    monkeypatch.setitem(LOWERINGS, (MoeDispatchLocal, "reference"), forgets_the_first_local_expert)
+    wrong = _laid_out(build_graph(small[0], None, 16)).graph
+    result = EquivalenceChecker(graph, params).check(wrong, 1e-5)
+    assert not result.ok and result.errors["logits"] > 1e-2
+
+
+def test_the_engine_and_the_scheduler_on_data_parallel_ranks_give_the_single_device_tokens(small):
+    from qcompile.runtime.engine import CacheConfig, Engine
+    from qcompile.runtime.scheduler import Request, Scheduler
+
+    checkpoint, graph, params = small
+    folded = fold_weight_preparation(graph)
+    laid_out = _laid_out(fold_weight_preparation(build_graph(checkpoint, None, 16))).graph
+    prepared = load_params(checkpoint, folded, progress=False)
+    prompts = [[1, 2, 3, 4, 5], [7, 8, 9], list(range(10, 30)), [3], [5, 6], [20, 21, 22], [4, 4], [9, 8, 7, 6]]
+    cache = CacheConfig(max_seqs=8, max_context=48, max_step_tokens=16)
+    single = Engine(folded, prepared, cache).generate(prompts, 6)
+    engine = Engine(laid_out, prepared, cache)
+    assert engine.ranks == 8
+    sharded = engine.generate(prompts, 6)
+    assert sharded["tokens"] == single["tokens"]
+    leaf = jax.tree_util.tree_leaves(engine.caches)[0]
+    assert len(leaf.sharding.device_set) == 8  # each rank's slots and pages on its own device
+    # 2 slots and 2 pages of 16 tokens per rank: the two requests of a rank start in one page each and cannot both
+    # grow into a second; the younger is preempted, recomputed later, and still makes the single-device tokens
+    tight = Engine(laid_out, prepared, CacheConfig(max_seqs=16, max_context=48, max_step_tokens=16, num_pages=16))
+    requests = [Request(p[:3], 20, id=i) for i, p in enumerate(prompts + prompts)]
+    list(Scheduler(tight).stream(requests))
+    alone = Engine(folded, prepared, cache).generate([p[:3] for p in prompts], 20)["tokens"]
+    assert [r.tokens for r in requests] == alone + alone
+    assert all(r.finish_reason == "length" for r in requests)
+    assert sum(r.preemptions for r in requests) > 0 and len(tight.free_slots) == 16 and len(tight.free_pages) == 16
+
+
+def test_rank_local_packing():
+    work = [WorkItem(slot=5, pages=(10, 11), start=3, tokens=(7, 8)), WorkItem(slot=0, pages=(0,), start=0, tokens=(9,))]
+    batch, rows = pack_ranked(work, num_tokens=8, rows=4, max_seqs=8, pages_per_seq=2, pool_pages=16,
+                              all_logits=False, ranks=4)
+    # rank 2 (slots 4-5, pages 8-11) has item 0 as its slot 1 with pages 2, 3; rank 0 has item 1
+    assert batch["query_start"].tolist() == [0, 1, 1, 0, 0, 0, 0, 2, 2, 0, 0, 0]
+    assert batch["state_slots"].tolist() == [0, 2, 2, 2, 1, 2, 2, 2]
+    assert batch["page_table"][4].tolist() == [2, 3] and batch["token_ids"].tolist()[4:6] == [7, 8]
+    assert batch["positions"].tolist()[4:6] == [3, 4] and rows == [[2], [0]]
+    assert batch["logits_indices"].tolist()[2] == 1  # rank-local index of item 0's last token
+    one, rows_one = pack_ranked(work, num_tokens=8, rows=4, max_seqs=8, pages_per_seq=2, pool_pages=16,
+                                all_logits=False, ranks=1)
+    assert rows_one == [[0], [1]] and all(np.array_equal(one[k], v) for k, v in pack_batch(
+        work, num_tokens=8, rows=4, max_seqs=8, pages_per_seq=2, all_logits=False).items())
+    with pytest.raises(ValueError, match="outside rank 2's"):
+        pack_ranked([WorkItem(5, (1,), 0, (1,))], num_tokens=8, rows=4, max_seqs=8, pages_per_seq=2, pool_pages=16,
+                    all_logits=False, ranks=4)
+
+
+def test_run_on_a_mesh_gives_the_single_device_tokens(tmp_path, capsys):
+    from qcompile.cli import main
+
+    path = write_small(tmp_path / "ckpt", "qwen3_next")
+    outputs = []
+    for extra in ([], ["--mesh", "4"], ["--mesh", "2x4"]):
+        with pytest.raises(SystemExit) as done:
+            main(["run", str(path), "--prompt-ids", "1,2,3", "--prompt-ids", "4,5,6,7,8", "--max-new-tokens", "5",
+                  "--ignore-eos", *extra])
+        assert done.value.code == 0
+        outputs.append(capsys.readouterr().out)
+    assert outputs[0] == outputs[1] == outputs[2] and len(outputs[0].splitlines()) == 2
+
+
+def test_mesh_rules_come_from_the_pass(small):
+    laid_out = _laid_out(small[1]).graph
+    mesh: Mesh = laid_out.meta["mesh"]
+    assert mesh.rule("batch") == ("model",) and mesh.ways("experts") == 8
+
+
+def test_mesh_on_the_command_line(tmp_path, capsys):
+    from qcompile.cli import main
+
+    path = write_small(tmp_path / "ckpt")
+    report = tmp_path / "r.json"
+    with pytest.raises(SystemExit) as done:
+        main(["--mesh", "8", str(path), "--passes", "gqa-sharding", "--report", str(report)])
+    assert done.value.code == 0
+    out = capsys.readouterr()
+    assert "--max-seqs 4 rounded up to 8" in out.err
+    assert "gqa-sharding               applied   plan=dp8+ep" in out.out
+    import json
+
+    data = json.loads(report.read_text())
+    assert data["mesh"]["shape"] == [8] and data["mesh"]["rules"] == [["batch", "model"], ["experts", "model"]]
+    for argv, message in ((["--mesh", "3"], "the 8 routed experts do not split over 3 devices"),
+                          (["--mesh", "2y"], "expected sizes like 8, 4x2 or 2x4"),
+                          (["--mesh", "16"], "--mesh needs 16 devices, but JAX started with 8"),
+                          (["--mesh", "8", "-o", str(tmp_path / "out")], "sharded artifacts are not written yet")):
+        with pytest.raises(SystemExit) as done:
+            main([*argv, str(path), "--passes", "gqa-sharding"])
+        assert done.value.code == 2
+        assert message in capsys.readouterr().err
+
