@@ -14,35 +14,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import statistics
 import sys
 import time
 from pathlib import Path
 
 import jax
-
-BYTES = {"f32": 4, "bf16": 2, "s32": 4, "u32": 4, "f16": 2, "s8": 1, "u8": 1, "pred": 1}
-COLLECTIVE = re.compile(r"=\s*(\(?[a-z0-9]+\[[^=]*?)\s(all-gather|reduce-scatter|all-reduce|all-to-all)(?:-start)?\(")
-SHAPE = re.compile(r"([a-z0-9]+)\[([0-9,]*)\]")
-
-
-def collectives(hlo: str) -> dict[str, dict]:
-    """kind -> {count, bytes}: each collective's result bytes on one device (async pairs counted once)."""
-    found: dict[str, dict] = {}
-    for match in COLLECTIVE.finditer(hlo):
-        shapes, kind = match.group(1), match.group(2)
-        size = 0
-        for dtype, dims in SHAPE.findall(shapes):
-            count = 1
-            for d in filter(None, dims.split(",")):
-                count *= int(d)
-            size += count * BYTES.get(dtype, 4)
-        entry = found.setdefault(kind, {"count": 0, "bytes": 0})
-        entry["count"] += 1
-        entry["bytes"] += size
-    return found
-
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -62,6 +39,7 @@ def main() -> None:
     jax.config.update("jax_num_cpu_devices", mesh.size)
 
     from qcompile.compiler.distribute import lay_out
+    from qcompile.compiler.hlo import collective_stats
     from qcompile.frontend.checkpoint import Checkpoint
     from qcompile.ir.abi import CacheConfig
     from qcompile.ir.importer import build_graph
@@ -88,10 +66,11 @@ def main() -> None:
             started = time.perf_counter()
             engine.step_tokens(work)
             times.append(time.perf_counter() - started)
-        found = collectives(hlo)
+        found = collective_stats(hlo)
         report["builds"][label] = {"collectives": found, "step_ms_median": 1e3 * statistics.median(times)}
         print(f"{label:<28} step {1e3 * statistics.median(times):7.2f} ms (median of {args.repeats}); collectives: "
-              + (", ".join(f"{k} x{v['count']} {v['bytes'] / 1024:.1f} KiB" for k, v in found.items()) or "none"))
+              + (", ".join(f"{k} x{v['count']} (groups of {v['group']}) results {v['result_bytes'] / 1024:.1f} KiB, sent "
+                        f"{v['sent_bytes'] / 1024:.1f} KiB" for k, v in found.items()) or "none"))
         del engine
     facts = model_facts(graph)
     predicted = {p.name: {"moe_collective_bytes": p.moe_bytes, "tp_allreduce_bytes": p.tp_allreduce_bytes}

@@ -144,8 +144,11 @@ def passes_cmd():
 @click.argument("directory", type=click.Path(path_type=Path))
 def reproduce_cmd(directory):
     """Re-run a numerics failure from the reproducer DIRECTORY a failed compile wrote."""
-    from qcompile.compiler.reproduce import reproduce
+    from qcompile.compiler.reproduce import reproduce, reproducer_devices
 
+    count = reproducer_devices(directory)  # a failure on a mesh replays on as many (host) devices
+    if count > 1:
+        use_host_devices(count)
     ok, line = reproduce(directory)
     click.echo(line)
     if not ok:
@@ -191,6 +194,15 @@ def _setup_mesh(spec: str | None):
         raise UsageError(str(err)) from None
     use_host_devices(mesh.size)
     return mesh
+
+
+def _artifact_devices(path: Path) -> None:
+    """Give JAX the devices an artifact's mesh needs (a laid-out artifact records its mesh), before it starts."""
+    from qcompile.runtime.artifact import artifact_devices
+
+    count = artifact_devices(path)
+    if count > 1:
+        use_host_devices(count)
 
 
 def use_host_devices(count: int) -> None:
@@ -296,6 +308,7 @@ def run_cmd(checkpoint, prompt_ids, max_new_tokens, dtype, save_logits, ignore_e
             raise UsageError("--dtype does not apply to an artifact: its dtype was fixed when it was compiled")
         if mesh is not None:
             raise UsageError("--mesh does not apply to an artifact: its layout was fixed when it was compiled")
+        _artifact_devices(checkpoint)
         artifact = load_artifact(checkpoint)
         if artifact.weights_note:
             click.echo(artifact.weights_note, err=True)
@@ -422,6 +435,8 @@ def bench_cmd(source, workload, scale, input_len, output_len, concurrency, num_p
     except ValueError:
         raise UsageError(f"--concurrency must be comma-separated integers, got {concurrency!r}") from None
     mesh = _setup_mesh(mesh_spec)
+    if mesh is None:
+        _artifact_devices(source)
     opts = BenchOptions(source=source, workload=workload, input_len=input_len, output_len=output_len, scale=scale,
                         concurrency=levels, num_prompts=num_prompts, passes=passes_spec, compare=tuple(compare),
                         ablate=ablate, json_path=json_path, plot_path=plot_path, seed=seed, dtype=dtype,
@@ -448,6 +463,7 @@ def check_cmd(source, prompts_path, reference, passes_spec, max_new_tokens, min_
     --max-new-tokens decode steps."""
     from qcompile.compiler.check import CheckOptions, run_check
 
+    _artifact_devices(source)
     run_check(CheckOptions(source=source, prompts=prompts_path, reference=reference, passes=passes_spec,
                            max_new_tokens=max_new_tokens, min_agreement=min_agreement, json_path=json_path),
               emit=click.echo)

@@ -200,6 +200,32 @@ def test_run_on_a_mesh_gives_the_single_device_tokens(tmp_path, capsys):
     assert outputs[0] == outputs[1] == outputs[2] and len(outputs[0].splitlines()) == 2
 
 
+def test_a_laid_out_artifact_records_its_mesh_and_runs_like_the_single_device_one(tmp_path, capsys):
+    import json
+
+    from qcompile.cli import main
+
+    path = write_small(tmp_path / "ckpt")
+    outputs = []
+    for name, extra in (("one", []), ("eight", ["--mesh", "8"])):
+        with pytest.raises(SystemExit) as done:
+            main([str(path), "-o", str(tmp_path / name), "--max-seqs", "8", "--max-context", "32",
+                  "--max-step-tokens", "8", "--verify", "none", *extra])
+        compiled = capsys.readouterr()
+        assert done.value.code == 0, compiled.err
+        with pytest.raises(SystemExit) as done:
+            main(["run", str(tmp_path / name), "--prompt-ids", "1,2,3", "--prompt-ids", "4,5,6,7,8,9,10,11,12,13",
+                  "--max-new-tokens", "6", "--ignore-eos"])
+        assert done.value.code == 0
+        outputs.append(capsys.readouterr().out)
+    assert outputs[0] == outputs[1] and len(outputs[0].splitlines()) == 2
+    manifest = json.loads((tmp_path / "eight" / "manifest.json").read_text())
+    assert manifest["mesh"]["shape"] == [8] and manifest["mesh"]["rules"][0] == ["batch", "model"]
+    assert manifest["cache_types"]["layers.0.recurrent_state"].endswith("<batch,_,_,_>")
+    assert {(b["tokens"], b["rows"]) for b in manifest["buckets"]} >= {(8, 8), (64, 8), (64, 64)}
+    assert json.loads((tmp_path / "one" / "manifest.json").read_text())["mesh"] is None
+
+
 def test_mesh_rules_come_from_the_pass(small):
     laid_out = _laid_out(small[1]).graph
     mesh: Mesh = laid_out.meta["mesh"]
@@ -224,9 +250,61 @@ def test_mesh_on_the_command_line(tmp_path, capsys):
     for argv, message in ((["--mesh", "3"], "the 8 routed experts do not split over 3 devices"),
                           (["--mesh", "2y"], "expected sizes like 8, 4x2 or 2x4"),
                           (["--mesh", "16"], "--mesh needs 16 devices, but JAX started with 8"),
-                          (["--mesh", "8", "-o", str(tmp_path / "out")], "sharded artifacts are not written yet")):
+                          (["--mesh", "8", "--target", "tpu", "-o", str(tmp_path / "out")], "cpu target only")):
         with pytest.raises(SystemExit) as done:
             main([*argv, str(path), "--passes", "gqa-sharding"])
         assert done.value.code == 2
         assert message in capsys.readouterr().err
 
+
+
+def test_a_numerics_failure_on_the_mesh_writes_a_reproducer_that_replays_it(tmp_path, capsys, monkeypatch):
+    import jax.numpy as jnp
+
+    from qcompile.cli import main
+    from qcompile.ir.parser import parse_mesh_statement
+
+    def forgets_the_first_local_expert(op_, x, ids):
+        local = op_.num_experts // jax.lax.axis_size(op_.mesh_axes)
+        flat = jnp.where(ids.reshape(-1) < local, ids.reshape(-1), local)
+        order = jnp.argsort(flat, stable=True).astype(jnp.int32)
+        return jnp.take(x, order // ids.shape[1], axis=0), jnp.bincount(flat, length=local).astype(jnp.int32), order
+
+    path = write_small(tmp_path / "ckpt")
+    monkeypatch.setitem(LOWERINGS, (MoeDispatchLocal, "reference"), forgets_the_first_local_expert)
+    with pytest.raises(SystemExit) as done:
+        main(["--mesh", "8", str(path), "--passes", "gqa-sharding", "--repro-dir", str(tmp_path / "repro")])
+    assert done.value.code == 3 and "gqa-sharding" in capsys.readouterr().err
+    (repro,) = (tmp_path / "repro").iterdir()
+    mesh = parse_mesh_statement((repro / "input.qir").read_text())
+    assert mesh is not None and mesh.size == 8 and not mesh.rules  # the unsharded input, on its 8-device mesh
+    with pytest.raises(SystemExit) as done:
+        main(["reproduce", str(repro)])
+    assert done.value.code == 3 and "still failing" in capsys.readouterr().err
+    monkeypatch.undo()
+    with pytest.raises(SystemExit) as done:
+        main(["reproduce", str(repro)])
+    assert done.value.code == 0 and "no longer fails" in capsys.readouterr().out
+
+
+def test_the_compiled_step_holds_the_collectives_the_layout_names(small):
+    """Counted in the optimized HLO XLA compiled: per MoE layer one all-gather of the tokens, one of the packed routing
+    (ids and weights in one collective), one reduce-scatter; no all-to-all, no all-reduce; and the bytes sent equal
+    the plan's prediction."""
+    from qcompile.compiler.hlo import collective_stats
+    from qcompile.passes.gqa_sharding import model_facts
+    from qcompile.runtime.engine import CacheConfig, Engine
+
+    checkpoint, _, _ = small
+    graph = fold_weight_preparation(build_graph(checkpoint, None, 16))
+    params = load_params(checkpoint, graph, progress=False)
+    laid_out = _laid_out(fold_weight_preparation(build_graph(checkpoint, None, 16))).graph
+    engine = Engine(laid_out, params, CacheConfig(max_seqs=16, max_context=32, max_step_tokens=16))
+    work = [(engine.add_sequence(), [3 + i]) for i in range(16)]
+    engine.step_tokens(work)
+    stats = collective_stats(engine.program.executable(engine.params, engine.caches, engine.last_batch, False).as_text())
+    assert set(stats) == {"all-gather", "reduce-scatter"}
+    assert stats["all-gather"]["count"] == 4 and stats["reduce-scatter"]["count"] == 2  # 2 MoE layers
+    assert stats["all-gather"]["group"] == stats["reduce-scatter"]["group"] == 8
+    (dp8,) = [p for p in plans(model_facts(graph), 8, 16, 32) if p.name == "dp8+ep"]
+    assert stats["all-gather"]["sent_bytes"] + stats["reduce-scatter"]["sent_bytes"] == dp8.moe_bytes

@@ -16,6 +16,7 @@ import os
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import hf_oracle
 import toy_passes
@@ -27,9 +28,11 @@ from qcompile.passes.equivalence import EquivalenceChecker, structural_hash
 from qcompile.passes.manager import run_pipeline
 from qcompile.passes.registry import PASSES
 from qcompile.ir.abi import CacheConfig
+from qcompile.ir.mesh import parse_mesh_spec
 from qcompile.runtime.model import load_model
 
 EXAMPLES = int(os.environ.get("QCOMPILE_HYPOTHESIS_EXAMPLES", "2"))
+MESHES = ("2", "4", "8", "2x4")  # of the suite's 8 CPU devices (conftest)
 CANDIDATES = {**PASSES, **{k: v for k, v in toy_passes.GOOD.items() if k not in PASSES}}
 
 
@@ -89,15 +92,18 @@ PASS_EXAMPLES = int(os.environ.get("QCOMPILE_PASS_EXAMPLES", "8"))
 @settings(max_examples=PASS_EXAMPLES, deadline=None, derandomize=False, print_blob=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,
                                  HealthCheck.data_too_large])
-@given(config=model_configs())
-def test_each_registered_pass_on_fresh_random_configs(config, tmp_path_factory):
+@given(config=model_configs(), mesh=st.sampled_from(MESHES))
+def test_each_registered_pass_on_fresh_random_configs(config, mesh, tmp_path_factory):
     """Per real pass, on configs drawn fresh every run (Hypothesis prints the seed and a reproduction blob on failure;
     QCOMPILE_PASS_EXAMPLES sets the count, 8 by default at 7-15 s each; the slow tier runs 60): it applies or
     says why not without touching the graph, the verifier holds, the numerics stay within its class against the
-    unoptimized graph, and it is idempotent.
+    unoptimized graph, and it is idempotent. The graph carries a random mesh of the suite's 8 CPU devices, so
+    gqa-sharding lays it out (KV heads 1-8, expert counts 2-8 that do and do not divide the devices) and is checked
+    on the simulated mesh; the other passes ignore the mesh.
     (Fidelity of the unoptimized graph to transformers on random configs is the test above and test_fidelity_fuzz.)"""
     path = write_checkpoint(tmp_path_factory.mktemp("pass") / "m", config, seed=3)
     model = load_model(path, progress=False)
+    model.graph.meta["mesh"] = parse_mesh_spec(mesh)
     checker = EquivalenceChecker(model.graph, model.params, seed=2)
     try:
         for name, pass_ in PASSES.items():
@@ -128,7 +134,7 @@ SLOW_PASS_EXAMPLES = int(os.environ.get("QCOMPILE_SLOW_PASS_EXAMPLES", "60"))
 @settings(max_examples=SLOW_PASS_EXAMPLES, deadline=None, derandomize=False, print_blob=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,
                                  HealthCheck.data_too_large])
-@given(config=model_configs())
-def test_each_registered_pass_on_many_fresh_random_configs(config, tmp_path_factory):
+@given(config=model_configs(), mesh=st.sampled_from(MESHES))
+def test_each_registered_pass_on_many_fresh_random_configs(config, mesh, tmp_path_factory):
     """The slow tier's version of the test above: 60 fresh configs per pass (QCOMPILE_SLOW_PASS_EXAMPLES)."""
-    test_each_registered_pass_on_fresh_random_configs.hypothesis.inner_test(config, tmp_path_factory)
+    test_each_registered_pass_on_fresh_random_configs.hypothesis.inner_test(config, mesh, tmp_path_factory)

@@ -27,9 +27,10 @@ import qcompile
 from qcompile.errors import UsageError
 from qcompile.frontend.checkpoint import Checkpoint
 from qcompile.frontend.safetensors_io import aligned_order, stream_safetensors
-from qcompile.ir.abi import CacheConfig, batch_specs, bucket_shapes, cache_specs, graph_cache_types
+from qcompile.ir.abi import (BATCH_INPUTS, LOGITS, CacheConfig, batch_specs, bucket_shapes, cache_specs,
+                             data_parallel_ranks, graph_cache_types)
 from qcompile.ir.graph import Graph
-from qcompile.ir.lowering import step_function
+from qcompile.ir.lowering import is_sharded, step_function
 from qcompile.ir.printer import print_graph
 from qcompile.ir.types import np_dtype
 from qcompile.ir.weights import param_types, weight_pieces
@@ -189,21 +190,42 @@ def _export(out: Path, graph: Graph, *, cache, target, platform, show) -> tuple[
                    for name, t in param_types(graph).items()}
     caches = cache_specs(graph_cache_types(graph), sizes)
     rules = TARGET_RULES[target]
-    jitted = {flag: jax.jit(step_function(graph, rules, flag)) for flag in (True, False)}
+    ranks = data_parallel_ranks(graph)
+    jitted = {flag: jax.jit(step_function(graph, rules, flag), **_mesh_shardings(graph, flag))
+              for flag in (True, False)}
     # qcompile's own CPU custom calls (kernels/native.py) are not on jax.export's list of stable targets; the
     # manifest names them, and loading the artifact builds and registers them before anything is deserialized.
     allow = [jax.export.DisabledSafetyCheck.custom_call(name) for name in native.KERNELS]
     buckets, started, natives = [], time.perf_counter(), set()
-    for tokens, rows in tqdm(bucket_shapes(cache), desc=f"exporting for {platform}", unit="bucket",
+    for tokens, rows in tqdm(bucket_shapes(cache, ranks), desc=f"exporting for {platform}", unit="bucket",
                              disable=not show, file=sys.stderr):
         with_logits = rows == tokens  # R = T buckets serve prompt logits; R = B buckets return token ids only
         exported = jax.export.export(jitted[with_logits], platforms=[platform], disabled_checks=allow)(
-            param_specs, caches, batch_specs(tokens, rows, sizes))
+            param_specs, caches, batch_specs(tokens, rows, sizes, ranks))
         natives.update(native.used_by(exported.mlir_module()))
         rel = bucket_file(tokens, rows)
         _write_bytes_atomic(out / rel, bytes(exported.serialize()))
         buckets.append({"tokens": tokens, "rows": rows, "logits": with_logits, "file": rel})
     return buckets, natives, time.perf_counter() - started
+
+
+def _mesh_shardings(graph: Graph, with_logits: bool) -> dict:
+    """in_shardings / out_shardings of a laid-out graph's step (each input, weight, cache and output with its
+    NamedSharding on the graph's mesh), so the exported module carries them; none for a single-device graph."""
+    if not is_sharded(graph):
+        return {}
+    from qcompile.ir.ops.core import Input
+
+    mesh = graph.meta["mesh"]
+    devices = mesh.jax_mesh()
+    named = lambda t: jax.sharding.NamedSharding(devices, mesh.partition_spec(t.sharding))  # noqa: E731
+    inputs = {node.op.name: named(node.op.type) for node in graph.find(Input)}
+    caches = {name: inputs[name] for name in graph_cache_types(graph)}
+    batch = {name: inputs[name] for name in BATCH_INPUTS}
+    params = {name: named(t) for name, t in param_types(graph).items()}
+    outputs = {name: named(graph.type_of(value)) for name, value in graph.outputs.items()
+               if with_logits or name != LOGITS}
+    return {"in_shardings": (params, caches, batch), "out_shardings": outputs}
 
 
 def _hash_files(paths: dict[str, Path], show: bool) -> dict[str, dict]:
@@ -280,7 +302,7 @@ def _write(out: Path, graph: Graph, weights, *, config_json, cache, target, plat
         "jaxlib_version": jaxlib.__version__,
         "target": target,
         "platform": platform,
-        "mesh": None,
+        "mesh": graph.meta["mesh"].attributes() if is_sharded(graph) else None,
         "config": config_json,
         "page_size": page_size,
         "cache": cache.to_json(page_size),

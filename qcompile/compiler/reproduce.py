@@ -22,6 +22,18 @@ from qcompile.passes.registry import parse_spec
 from qcompile.ir.weights import load_params
 
 
+def reproducer_devices(directory: Path) -> int:
+    """Devices the reproducer's graphs are laid out on (their `mesh` statement; 1 without one), read before JAX
+    starts so the replay runs on the same simulated mesh. Unreadable input is left to `reproduce` to report."""
+    from qcompile.ir.parser import parse_mesh_statement
+
+    try:
+        mesh = parse_mesh_statement((Path(directory) / "input.qir").read_text())
+    except (OSError, UnicodeDecodeError, CheckpointError):  # reported by reproduce() itself
+        return 1
+    return mesh.size if mesh is not None else 1
+
+
 def reproduce(directory: Path) -> tuple[bool, str]:
     """(still passes?, one-line summary)."""
     directory = Path(directory)

@@ -84,15 +84,18 @@ def token_bucket(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def bucket_shapes(cache: CacheConfig) -> list[tuple[int, int]]:
-    """(T tokens, R rows) of every bucket an artifact exports: R = B (last token of each sequence) and R = T."""
-    largest = token_bucket(max(cache.max_step_tokens, cache.max_seqs, 1))
+def bucket_shapes(cache: CacheConfig, ranks: int = 1) -> list[tuple[int, int]]:
+    """(T tokens, R rows) of every bucket an artifact exports: R = B (last token of each sequence) and R = T. With
+    data-parallel ranks every rank has the same bucket: T = ranks · t and R = ranks · (B/ranks or t), t a power of two
+    up to what one rank may take (a whole step can land on one rank)."""
+    slots = cache.max_seqs // ranks
+    largest = token_bucket(max(cache.max_step_tokens, slots, 1))
     shapes: list[tuple[int, int]] = []
     t = 1
     while t <= largest:
-        for rows in (cache.max_seqs, t):
-            if (t, rows) not in shapes:
-                shapes.append((t, rows))
+        for rows in (slots, t):
+            if (ranks * t, ranks * rows) not in shapes:
+                shapes.append((ranks * t, ranks * rows))
         t *= 2
     return shapes
 
@@ -105,12 +108,16 @@ def graph_cache_types(graph) -> dict[str, TensorType]:
     return {node.op.name: node.op.type for node in graph.find(Input) if node.op.name in caches}
 
 
-def data_parallel_ranks(graph) -> int:
-    """How many attention data-parallel ranks a step graph has: the pieces its mesh cuts the `batch` axis into."""
-    mesh = graph.meta.get("mesh")
+def mesh_ranks(mesh) -> int:
+    """How many attention data-parallel ranks a mesh has: the pieces it cuts the logical `batch` axis into."""
     if mesh is None or "batch" not in dict(mesh.rules):
         return 1
     return mesh.ways("batch")
+
+
+def data_parallel_ranks(graph) -> int:
+    """The data-parallel ranks of a step graph (`mesh_ranks` of its mesh)."""
+    return mesh_ranks(graph.meta.get("mesh"))
 
 
 def batch_specs(tokens: int, rows: int, sizes: dict[str, int], ranks: int = 1) -> dict:

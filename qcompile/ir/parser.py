@@ -226,6 +226,23 @@ def _attributes(line: _Line, fail, what: str) -> dict:
     return attributes
 
 
+def parse_mesh_statement(text: str, source: str = "<text>") -> Mesh | None:
+    """The mesh of a graph's text form (None when it has none), without parsing the graph: the mesh statement, when
+    present, is the first statement after the header."""
+    for lineno, raw in enumerate(text.splitlines(), 1):
+        stripped = raw.strip()
+        if not stripped or stripped.startswith("//") or stripped.startswith("graph "):
+            continue
+        if not (stripped.startswith("mesh ") or stripped.startswith("mesh{")):
+            return None
+
+        def fail(problem: str, lineno=lineno):
+            raise IRParseError(source, lineno, problem)
+
+        return _mesh(_Line(stripped, fail), fail)
+    return None
+
+
 def _mesh(line: _Line, fail) -> Mesh:
     """`mesh {axes=[...], shape=[...], devices=[...], rules=[[logical, mesh_axis, ...], ...]}`."""
     line.next("name", "mesh")

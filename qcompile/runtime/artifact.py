@@ -41,7 +41,9 @@ coincide and are exported once, with logits. The executables are lowered with th
 `lowering`).
 
 manifest.json keys: format_version, qcompile_version, jax_version, jaxlib_version, target (cpu | tpu | gpu),
-platform (the jax.export platform: cpu | tpu | cuda), mesh (null: single device), config (the model config),
+platform (the jax.export platform: cpu | tpu | cuda), mesh (null: single device; else the `mesh {...}` attributes of a
+graph laid out by gqa-sharding: its executables carry each input's and output's sharding, and loading needs that many
+devices — `artifact_devices` reads it before JAX starts), config (the model config),
 page_size, cache (max_seqs, max_context, num_pages, max_step_tokens and the bound sizes B/M/P/S), cache_types
 (name -> IR type text), buckets ([{tokens, rows, logits, file}]), lowering (the rule table the executables use),
 native_kernels (qcompile's native CPU custom calls the executables call, kernels/native.py; [] elsewhere), weights
@@ -69,6 +71,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from pathlib import Path, PurePosixPath
 
 import attrs
@@ -79,10 +82,10 @@ import numpy as np
 import qcompile
 from qcompile.errors import CheckpointError, UsageError, one_line
 from qcompile.frontend.safetensors_io import SafetensorsFile
-from qcompile.ir.abi import CacheConfig, batch_specs, cache_specs
+from qcompile.ir.abi import CacheConfig, batch_specs, cache_specs, mesh_ranks
 from qcompile.ir.types import TensorType, np_dtype, parse_type
 from qcompile.kernels import native
-from qcompile.runtime.engine import Engine
+from qcompile.runtime.engine import Engine, MeshPlacement
 from qcompile.runtime.memory import CompiledBuckets
 
 FORMAT_VERSION = 3  # 2: buckets carry `logits`; 3: `weights` (mode, source, parameter types)
@@ -289,13 +292,21 @@ class ExportedProgram:
     """
 
     def __init__(self, page_size: int, cache_types: dict[str, TensorType],
-                 exported: dict[tuple[int, int], tuple[object, bool]]):
+                 exported: dict[tuple[int, int], tuple[object, bool]], mesh=None, param_types=None):
         self.page_size = page_size
         self.cache_types = cache_types
         self._exported = exported
-        self._tokens = sorted({t for t, _ in exported})
+        self.placement = MeshPlacement(mesh, cache_types, param_types or {})
+        self.ranks = self.placement.ranks
+        self._tokens = sorted({t // self.ranks for t, _ in exported})  # per rank
         self._callables: dict[tuple[int, int], object] = {}
         self.compiled_buckets = CompiledBuckets()
+
+    def place_params(self, params: dict) -> dict:
+        return self.placement.place_params(params)
+
+    def place_caches(self, caches: dict) -> dict:
+        return self.placement.place_caches(caches)
 
     @property
     def buckets(self) -> list[tuple[int, int]]:
@@ -319,7 +330,9 @@ class ExportedProgram:
             raise UsageError(f"the artifact's T{key[0]}/R{key[1]} executable returns token ids only; logits are "
                              "exported for all-token (prompt logits) steps")
         fn = self._callables.get(key)
-        if fn is None:
+        if fn is None and self.ranks > 1:  # the exported module carries its shardings on the mesh
+            fn = self._callables[key] = jax.jit(exported.call, donate_argnums=(1,))
+        elif fn is None:
             # Single device: pin in/out shardings so that committed outputs fed back as inputs (the caches) hit
             # the same compiled executable instead of compiling the bucket a second time.
             device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
@@ -433,6 +446,35 @@ def _load_weights(root: Path, manifest: dict, entry: dict, cache_types: dict, ve
     return load_params(Checkpoint.open(opened), graph, progress), note
 
 
+def artifact_devices(path) -> int:
+    """How many devices an artifact's mesh needs (1 without one); read before JAX starts, so the command line can
+    give this host that many CPU devices. Errors are left to load_artifact."""
+    try:
+        mesh = json.loads((Path(path) / MANIFEST).read_text()).get("mesh")
+        return int(math.prod(mesh["shape"])) if mesh else 1
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return 1
+
+
+def _mesh(manifest: dict, manifest_path: Path):
+    """The manifest's mesh (None: one device); refused when malformed or when this process has too few devices."""
+    from qcompile.ir.mesh import Mesh
+
+    entry = manifest.get("mesh")
+    if entry is None:
+        return None
+    try:
+        mesh = Mesh.from_attributes(entry)
+    except (TypeError, ValueError, KeyError) as err:
+        raise _refuse(manifest_path, f"malformed mesh ({err})") from None
+    have = len(jax.devices())
+    if have < mesh.size:
+        raise _refuse(manifest_path.parent, f"laid out on {mesh.size} devices; this process has {have} (qcompile run "
+                                            f"and bench set them up; from Python call jax.config.update("
+                                            f"'jax_num_cpu_devices', {mesh.size}) before JAX starts)")
+    return mesh
+
+
 def load_artifact(path, verify_hashes: bool = True, progress: bool | None = False) -> ArtifactModel:
     """Verify an artifact directory (see the module docstring) and load its weights and executables."""
     root = Path(path)
@@ -468,6 +510,10 @@ def load_artifact(path, verify_hashes: bool = True, progress: bool | None = Fals
     _check_files(root, files, verify_hashes)
 
     _ensure_native_kernels(manifest, manifest_path)
+    mesh = _mesh(manifest, manifest_path)
+    ranks = 1
+    if mesh is not None:
+        ranks = mesh_ranks(mesh)
     if declared:
         param_specs = {name: jax.ShapeDtypeStruct(tuple(t.shape), np_dtype(t.dtype)) for name, t in declared.items()}
     else:  # format 2: the weights file is the only description
@@ -478,7 +524,10 @@ def load_artifact(path, verify_hashes: bool = True, progress: bool | None = Fals
     for tokens, rows, rel, with_logits in keys:
         file = root / rel
         exp = _deserialize(file, manifest)
-        _check_exported(file, exp, manifest, (param_specs, caches, batch_specs(tokens, rows, sizes)))
+        _check_exported(file, exp, manifest, (param_specs, caches, batch_specs(tokens, rows, sizes, ranks)))
+        if exp.nr_devices != (mesh.size if mesh is not None else 1):
+            raise _refuse(file, f"exported for {exp.nr_devices} devices but the manifest's mesh has "
+                                f"{mesh.size if mesh is not None else 1}: mismatched artifact")
         exported[(tokens, rows)] = (exp, with_logits)
     params, note = _load_weights(root, manifest, entry, cache_types, verify_hashes, progress)
     got = {name: jax.ShapeDtypeStruct(np.shape(a), a.dtype) for name, a in params.items()}
@@ -486,6 +535,6 @@ def load_artifact(path, verify_hashes: bool = True, progress: bool | None = Fals
         raise _refuse(root / (WEIGHTS if entry["source"] == "artifact" else MANIFEST),
                       "the weights do not match what the executables take (names, shapes or dtypes): "
                       "mismatched artifact")
-    program = ExportedProgram(page_size, cache_types, exported)
+    program = ExportedProgram(page_size, cache_types, exported, mesh, declared)
     use_compilation_cache(manifest)
     return ArtifactModel(root, manifest, params, program, note)

@@ -27,11 +27,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from qcompile.errors import UsageError
-from qcompile.ir.abi import (LOGITS, NEXT_TOKENS, CacheConfig, WorkItem, batch_specs, cache_specs, data_parallel_ranks,
-                             graph_cache_types, pack_ranked, token_bucket)
+from qcompile.ir.abi import (LOGITS, NEXT_TOKENS, CacheConfig, WorkItem, batch_specs, cache_specs, graph_cache_types,
+                             mesh_ranks, pack_ranked, token_bucket)
 from qcompile.ir.graph import Graph
 from qcompile.ir.lowering import host_target, step_function
-from qcompile.ir.types import np_dtype
+from qcompile.ir.types import TensorType, np_dtype
+from qcompile.ir.weights import param_types
 from qcompile.kernels import native
 from qcompile.runtime.memory import (CompiledBuckets, cache_bytes, compiled_memory, gib, peak_rss, resident,
                                      step_intermediates, weight_bytes)
@@ -46,6 +47,33 @@ class Sequence:
     slot: int
     pages: list[int] = attrs.Factory(list)
     length: int = 0  # tokens already in the cache
+
+
+class MeshPlacement:
+    """Where a laid-out step program's parameters and caches live: each array with its NamedSharding on the mesh,
+    placed once (a step then moves no weights). Without data-parallel ranks everything stays as given."""
+
+    def __init__(self, mesh, cache_types: dict[str, TensorType], param_types: dict[str, TensorType]):
+        self.ranks = mesh_ranks(mesh)
+        self.mesh = mesh if self.ranks > 1 else None
+        self._devices = self.mesh.jax_mesh() if self.mesh is not None else None
+        self.cache_types, self.param_types = cache_types, param_types
+
+    def _named(self, type_: TensorType):
+        return jax.sharding.NamedSharding(self._devices, self.mesh.partition_spec(type_.sharding))
+
+    def place_params(self, params: dict) -> dict:
+        """The parameters on the mesh, each with its sharding (unchanged without a mesh)."""
+        if self.mesh is None:
+            return params
+        return {name: jax.device_put(value, self._named(self.param_types[name])) if name in self.param_types
+                else value for name, value in params.items()}
+
+    def place_caches(self, caches: dict) -> dict:
+        """The caches on the mesh, each rank's slots and pages on its device (unchanged without a mesh)."""
+        if self.mesh is None:
+            return caches
+        return {name: jax.device_put(value, self._named(self.cache_types[name])) for name, value in caches.items()}
 
 
 class GraphProgram:
@@ -63,28 +91,14 @@ class GraphProgram:
         self._jitted = {flag: jax.jit(step_function(graph, self.target, flag), donate_argnums=(1,))
                         for flag in (True, False)}
         self.compiled_buckets = CompiledBuckets()
-        self.ranks = data_parallel_ranks(graph)
-        self._mesh = graph.meta.get("mesh") if self.ranks > 1 else None
-        self._jax_mesh = self._mesh.jax_mesh() if self._mesh is not None else None
-
-    def _sharding(self, type_):
-        return jax.sharding.NamedSharding(self._jax_mesh, self._mesh.partition_spec(type_.sharding))
+        self.placement = MeshPlacement(graph.meta.get("mesh"), self.cache_types, param_types(graph))
+        self.ranks = self.placement.ranks
 
     def place_params(self, params: dict) -> dict:
-        """The parameters on the graph's mesh, each with its sharding (unchanged without a mesh)."""
-        if self._mesh is None:
-            return params
-        from qcompile.ir.ops.core import Param
-
-        types = {node.op.name: node.op.type for node in self.graph.find(Param)}
-        return {name: jax.device_put(value, self._sharding(types[name])) if name in types else value
-                for name, value in params.items()}
+        return self.placement.place_params(params)
 
     def place_caches(self, caches: dict) -> dict:
-        """The caches on the graph's mesh, each rank's slots and pages on its device (unchanged without a mesh)."""
-        if self._mesh is None:
-            return caches
-        return {name: jax.device_put(value, self._sharding(self.cache_types[name])) for name, value in caches.items()}
+        return self.placement.place_caches(caches)
 
     @classmethod
     def of(cls, graph: Graph, target: str | None = None) -> "GraphProgram":
