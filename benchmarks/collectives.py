@@ -3,9 +3,10 @@
     python benchmarks/collectives.py CHECKPOINT [--mesh 8] [--tokens 32] [--json FILE]
 
 For one decode-shaped step (T tokens, one per sequence, R = T rows) of CHECKPOINT's unoptimized graph and of the
-graph gqa-sharding lays out on the mesh, this compiles the step with XLA (cpu rules) and lists every collective in
-the optimized HLO with the bytes of its result on one device; it then times the step (median of repeats) on one
-device and on the simulated mesh. The simulated devices share this host's cores, so the times are cost structure
+graph laid out on the mesh by gqa-sharding alone (MoE layers as all-to-all dispatch) and by gqa-sharding +
+moe-allgather-rs (all-gather → local experts → reduce-scatter), this compiles the step with XLA (cpu rules) and lists
+every collective in the optimized HLO with the bytes of its result on one device and the bytes one device sends;
+it then times the step (median of repeats) on one device and on the simulated mesh. The simulated devices share this host's cores, so the times are cost structure
 (what the layout adds: collectives, per-rank padding), not speed. It also prints gqa-sharding's prediction of the
 collective bytes per decode step for the same shape, and for Qwen3.5-397B-A17B on 8 devices at concurrency 64.
 """
@@ -51,9 +52,11 @@ def main() -> None:
     graph = fold_weight_preparation(build_graph(ckpt, None, 16))
     params = load_params(ckpt, graph, progress=False)
     context = 64
-    laid_out = lay_out(graph, mesh, concurrency=args.tokens, max_context=context)
+    a2a = lay_out(graph, mesh, concurrency=args.tokens, max_context=context, gather_moe=False)
+    gathered = lay_out(graph, mesh, concurrency=args.tokens, max_context=context)
     report = {"checkpoint": str(args.checkpoint), "mesh": list(mesh.shape), "tokens": args.tokens, "builds": {}}
-    for label, g in (("single device", graph), (f"gqa-sharding on {args.mesh}", laid_out)):
+    for label, g in (("single device", graph), (f"gqa-sharding on {args.mesh}", a2a),
+                     (f"+ moe-allgather-rs on {args.mesh}", gathered)):
         slots = -(-args.tokens // mesh.size) * mesh.size
         engine = Engine(g, params, CacheConfig(max_seqs=slots, max_context=context, max_step_tokens=args.tokens))
         seqs = [engine.add_sequence() for _ in range(args.tokens)]
@@ -73,11 +76,13 @@ def main() -> None:
                         f"{v['sent_bytes'] / 1024:.1f} KiB" for k, v in found.items()) or "none"))
         del engine
     facts = model_facts(graph)
-    predicted = {p.name: {"moe_collective_bytes": p.moe_bytes, "tp_allreduce_bytes": p.tp_allreduce_bytes}
+    predicted = {p.name: {"moe_collective_bytes": p.moe_bytes, "moe_all_to_all_bytes": p.moe_a2a_bytes,
+                          "tp_allreduce_bytes": p.tp_allreduce_bytes}
                  for p in plans(facts, mesh.size, args.tokens, context)}
     report["predicted_bytes_per_device_per_step"] = predicted
     print(f"predicted per device per decode step at concurrency {args.tokens}: "
-          + ", ".join(f"{k}: MoE {v['moe_collective_bytes'] / 1024:.1f} KiB + TP all-reduce "
+          + ", ".join(f"{k}: MoE all-gather/reduce-scatter {v['moe_collective_bytes'] / 1024:.1f} KiB (all-to-all "
+                      f"{v['moe_all_to_all_bytes'] / 1024:.1f} KiB) + TP all-reduce "
                       f"{v['tp_allreduce_bytes'] / 1024:.1f} KiB" for k, v in predicted.items()))
     if args.flagship:
         flagship = model_facts(build_graph(Checkpoint.open(args.flagship), None, 16))
@@ -85,7 +90,8 @@ def main() -> None:
         for p in plans(flagship, 8, 64, 8192):
             print(f"flagship {p.name:<12} per device: weights {p.weight_bytes / 2**30:.1f} GiB, KV "
                   f"{p.kv_bytes / 2**30:.2f} GiB, state {p.state_bytes / 2**30:.2f} GiB; per decode step: MoE "
-                  f"collectives {p.moe_bytes / 2**20:.2f} MiB, TP all-reduce {p.tp_allreduce_bytes / 2**20:.2f} MiB")
+                  f"all-gather/reduce-scatter {p.moe_bytes / 2**20:.2f} MiB (all-to-all {p.moe_a2a_bytes / 2**20:.2f} "
+                  f"MiB), TP all-reduce {p.tp_allreduce_bytes / 2**20:.2f} MiB")
     if args.json:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
     sys.stdout.flush()

@@ -17,7 +17,7 @@ from conftest import write_small
 from qcompile.ir.abi import WorkItem, data_parallel_ranks, pack_batch, pack_ranked
 from qcompile.ir.importer import build_graph
 from qcompile.ir.mesh import Mesh, parse_mesh_spec
-from qcompile.ir.ops.expert_parallel import MoeDispatchLocal
+from qcompile.ir.ops.expert_parallel import MoeDispatchLocal, MoeSend
 from qcompile.ir.printer import print_graph
 from qcompile.ir.registry import LOWERINGS
 from qcompile.ir.verifier import verify
@@ -25,6 +25,7 @@ from qcompile.ir.weights import fold_weight_preparation, load_params
 from qcompile.passes.base import PassContext
 from qcompile.passes.equivalence import EquivalenceChecker
 from qcompile.passes.gqa_sharding import GQA_SHARDING, ModelFacts, choose, plans
+from qcompile.passes.moe_allgather_rs import MOE_ALLGATHER_RS
 from qcompile.frontend.checkpoint import Checkpoint
 
 FLAGSHIP = ModelFacts(  # Qwen3.5-397B-A17B in bf16 (shared/spec): 15 attention + 45 GDN layers, 512 experts
@@ -35,8 +36,14 @@ FLAGSHIP = ModelFacts(  # Qwen3.5-397B-A17B in bf16 (shared/spec): 15 attention 
 
 
 def _laid_out(graph, spec: str = "8", **options):
+    """gqa-sharding's result (MoE layers as all-to-all dispatch)."""
     graph.meta["mesh"] = parse_mesh_spec(spec)
     return GQA_SHARDING.run(graph, PassContext(options=tuple(options.items())))
+
+
+def _gathered(graph, spec: str = "8", **options):
+    """gqa-sharding, then moe-allgather-rs: the graph laid out as `--passes all` lays it out."""
+    return MOE_ALLGATHER_RS.run(_laid_out(graph, spec, **options).graph, PassContext())
 
 
 @pytest.fixture(scope="module")
@@ -83,14 +90,37 @@ def test_golden_layout_of_an_moe_layer(small):
     assert 'input "token_ids" : i32[T]<batch>' in text
     assert 'input "layers.1.k_pages" : f32[P,16,2,64]<batch,_,_,_>' in text
     assert 'input "layers.0.recurrent_state" : f32[S,4,16,32]<batch,_,_,_>' in text
-    assert "<experts,_,_>" in text and "all_to_all" not in text
-    moe = [line.split(" = ", 1)[1].split("(")[0] for line in text.splitlines()
-           if any(k in line for k in ("all_gather", "routing", "moe_", "reduce_scatter"))]
-    assert moe[:8] == ["all_gather", "pack_routing", "all_gather", "unpack_routing", "moe_dispatch_local",
-                       "moe_combine", "reduce_scatter", "all_gather"]
+    assert "<experts,_,_>" in text and "all_gather" not in text and "reduce_scatter" not in text
+    assert _moe_ops(text)[:8] == ["moe_send", "all_to_all", "all_to_all", "moe_dispatch_received", "moe_return",
+                                  "all_to_all", "moe_combine_returned", "moe_send"]
+    assert ('all_to_all(%' in text and '{split_axis=0, concat_axis=1, over="batch", mesh_axes=["model"], '
+            'split="experts"} : f32[8,T*2,96]<experts,_,_>' in text)
+    assert ('moe_send(%' in text and '{num_experts=8, ways=8, over="experts", mesh_axes=["model"]} : '
+            'f32[8,T*2,96]<_,batch,_>, i32[8,T*2]<_,batch>, i32[T*2]<batch>' in text)
+    assert data_parallel_ranks(result.graph) == 8 and data_parallel_ranks(graph) == 1
+
+
+def _moe_ops(text: str) -> list[str]:
+    return [line.split(" = ", 1)[1].split("(")[0] for line in text.splitlines()
+            if any(k in line for k in ("all_gather", "all_to_all", "routing", "moe_", "reduce_scatter"))]
+
+
+def test_golden_moe_allgather_rs(small):
+    _, graph, _ = small
+    result = _gathered(graph, concurrency=8, max_context=64)
+    assert result.changed and result.stats == {"moe_layers": 2, "all_to_all_removed": 6, "all_gather_added": 4,
+                                               "reduce_scatter_added": 2}
+    verify(result.graph)
+    text = print_graph(result.graph)
+    assert "all_to_all" not in text and "moe_send" not in text
+    assert _moe_ops(text)[:8] == ["all_gather", "pack_routing", "all_gather", "unpack_routing", "moe_dispatch_local",
+                                  "moe_combine", "reduce_scatter", "all_gather"]
     assert ('reduce_scatter(%' in text and '{axis=0, over="experts", mesh_axes=["model"], split="batch"} : '
             'f32[T,96]<batch,_>' in text)
-    assert data_parallel_ranks(result.graph) == 8 and data_parallel_ranks(graph) == 1
+    assert 'pack_routing(%' in text and ': i32[T,4]<batch,_>' in text  # weights and ids of top-2 in one i32[T,4]
+    # not transformed: no all-to-all dispatch (one device, or the gathered form already)
+    assert MOE_ALLGATHER_RS.run(graph, PassContext()).skipped.startswith("no all-to-all expert dispatch")
+    assert MOE_ALLGATHER_RS.run(result.graph, PassContext()).skipped.startswith("no all-to-all expert dispatch")
 
 
 def test_not_transformed_without_devices_or_when_experts_do_not_split(small):
@@ -105,13 +135,14 @@ def test_not_transformed_without_devices_or_when_experts_do_not_split(small):
     assert GQA_SHARDING.run(laid_out, PassContext()).skipped == "the graph is laid out on its mesh already"
 
 
-@pytest.mark.parametrize("family, spec", [("qwen3_5_moe", "8"), ("qwen3_next", "2x4"), ("qwen3_5_moe", "4")])
-def test_the_sharded_graph_equals_the_single_device_graph(tmp_path, family, spec):
+@pytest.mark.parametrize("family, spec, moe", [("qwen3_5_moe", "8", "all-to-all"), ("qwen3_next", "2x4", "gathered"),
+                                               ("qwen3_5_moe", "4", "gathered")])
+def test_the_sharded_graph_equals_the_single_device_graph(tmp_path, family, spec, moe):
     path = write_small(tmp_path / "ckpt", family)
     checkpoint = Checkpoint.open(path)
     graph = build_graph(checkpoint, None, 16)
     params = load_params(checkpoint, graph, progress=False)
-    laid_out = _laid_out(graph, spec).graph
+    laid_out = (_laid_out if moe == "all-to-all" else _gathered)(graph, spec).graph
     checker = EquivalenceChecker(graph, params, target="cpu")  # 3 sequences on 3 ranks: decode, continuation, prefill
     result = checker.check(laid_out, 5e-5)
     assert result.ok, result.reason
@@ -123,7 +154,7 @@ def test_a_wrong_expert_remapping_is_caught(small, monkeypatch):
     import jax.numpy as jnp
 
     _, graph, params = small
-    laid_out = _laid_out(graph).graph  # the reference graph now has the mesh: the checker spreads sequences on it
+    laid_out = _gathered(graph).graph  # the reference graph now has the mesh: the checker spreads sequences on it
     assert EquivalenceChecker(graph, params).check(laid_out, 1e-5).ok
 
     def forgets_the_first_local_expert(op_, x, ids):  # every device takes global ids 0..E/D-1 as its own
@@ -134,7 +165,17 @@ def test_a_wrong_expert_remapping_is_caught(small, monkeypatch):
         return jnp.take(x, order // ids.shape[1], axis=0), jnp.bincount(flat, length=local).astype(jnp.int32), order
 
     monkeypatch.setitem(LOWERINGS, (MoeDispatchLocal, "reference"), forgets_the_first_local_expert)
-    wrong = _laid_out(build_graph(small[0], None, 16)).graph
+    wrong = _gathered(build_graph(small[0], None, 16)).graph
+    result = EquivalenceChecker(graph, params).check(wrong, 1e-5)
+    assert not result.ok and result.errors["logits"] > 1e-2
+
+    def sends_round_robin(op_, x, ids):  # expert e to device e % D: the owner of a block of E/D is e // (E/D)
+        from qcompile.ir.ops.expert_parallel import send_blocks
+
+        return send_blocks(x, ids, ids.reshape(-1) % op_.ways, op_.ways)
+
+    monkeypatch.setitem(LOWERINGS, (MoeSend, "reference"), sends_round_robin)
+    wrong = _laid_out(build_graph(small[0], None, 16), "4").graph  # 2 experts per device (on 8, e // 1 == e % 8)
     result = EquivalenceChecker(graph, params).check(wrong, 1e-5)
     assert not result.ok and result.errors["logits"] > 1e-2
 
@@ -145,7 +186,7 @@ def test_the_engine_and_the_scheduler_on_data_parallel_ranks_give_the_single_dev
 
     checkpoint, graph, params = small
     folded = fold_weight_preparation(graph)
-    laid_out = _laid_out(fold_weight_preparation(build_graph(checkpoint, None, 16))).graph
+    laid_out = _gathered(fold_weight_preparation(build_graph(checkpoint, None, 16))).graph
     prepared = load_params(checkpoint, folded, progress=False)
     prompts = [[1, 2, 3, 4, 5], [7, 8, 9], list(range(10, 30)), [3], [5, 6], [20, 21, 22], [4, 4], [9, 8, 7, 6]]
     cache = CacheConfig(max_seqs=8, max_context=48, max_step_tokens=16)
@@ -273,11 +314,12 @@ def test_a_numerics_failure_on_the_mesh_writes_a_reproducer_that_replays_it(tmp_
     path = write_small(tmp_path / "ckpt")
     monkeypatch.setitem(LOWERINGS, (MoeDispatchLocal, "reference"), forgets_the_first_local_expert)
     with pytest.raises(SystemExit) as done:
-        main(["--mesh", "8", str(path), "--passes", "gqa-sharding", "--repro-dir", str(tmp_path / "repro")])
-    assert done.value.code == 3 and "gqa-sharding" in capsys.readouterr().err
+        main(["--mesh", "8", str(path), "--passes", "gqa-sharding,moe-allgather-rs", "--repro-dir",
+              str(tmp_path / "repro")])
+    assert done.value.code == 3 and "pass moe-allgather-rs" in capsys.readouterr().err
     (repro,) = (tmp_path / "repro").iterdir()
     mesh = parse_mesh_statement((repro / "input.qir").read_text())
-    assert mesh is not None and mesh.size == 8 and not mesh.rules  # the unsharded input, on its 8-device mesh
+    assert mesh is not None and mesh.size == 8 and mesh.rule("experts") == ("model",)  # gqa-sharding's layout
     with pytest.raises(SystemExit) as done:
         main(["reproduce", str(repro)])
     assert done.value.code == 3 and "still failing" in capsys.readouterr().err
@@ -287,10 +329,11 @@ def test_a_numerics_failure_on_the_mesh_writes_a_reproducer_that_replays_it(tmp_
     assert done.value.code == 0 and "no longer fails" in capsys.readouterr().out
 
 
-def test_the_compiled_step_holds_the_collectives_the_layout_names(small):
-    """Counted in the optimized HLO XLA compiled: per MoE layer one all-gather of the tokens, one of the packed routing
-    (ids and weights in one collective), one reduce-scatter; no all-to-all, no all-reduce; and the bytes sent equal
-    the plan's prediction."""
+def test_the_compiled_step_holds_the_collectives_each_moe_form_names(small):
+    """Counted in the optimized HLO XLA compiled, per MoE layer: gqa-sharding's dispatch, three all-to-alls (tokens,
+    their expert ids, the results home); after moe-allgather-rs, one all-gather of the tokens, one of the packed
+    routing (ids and weights in one collective) and one reduce-scatter, no all-to-all. The bytes sent equal the plan's
+    prediction for each form."""
     from qcompile.compiler.hlo import collective_stats
     from qcompile.passes.gqa_sharding import model_facts
     from qcompile.runtime.engine import CacheConfig, Engine
@@ -298,13 +341,19 @@ def test_the_compiled_step_holds_the_collectives_the_layout_names(small):
     checkpoint, _, _ = small
     graph = fold_weight_preparation(build_graph(checkpoint, None, 16))
     params = load_params(checkpoint, graph, progress=False)
-    laid_out = _laid_out(fold_weight_preparation(build_graph(checkpoint, None, 16))).graph
-    engine = Engine(laid_out, params, CacheConfig(max_seqs=16, max_context=32, max_step_tokens=16))
-    work = [(engine.add_sequence(), [3 + i]) for i in range(16)]
-    engine.step_tokens(work)
-    stats = collective_stats(engine.program.executable(engine.params, engine.caches, engine.last_batch, False).as_text())
-    assert set(stats) == {"all-gather", "reduce-scatter"}
-    assert stats["all-gather"]["count"] == 4 and stats["reduce-scatter"]["count"] == 2  # 2 MoE layers
-    assert stats["all-gather"]["group"] == stats["reduce-scatter"]["group"] == 8
     (dp8,) = [p for p in plans(model_facts(graph), 8, 16, 32) if p.name == "dp8+ep"]
-    assert stats["all-gather"]["sent_bytes"] + stats["reduce-scatter"]["sent_bytes"] == dp8.moe_bytes
+    found = {}
+    for form, lay_out in (("all-to-all", _laid_out), ("gathered", _gathered)):
+        laid_out = lay_out(fold_weight_preparation(build_graph(checkpoint, None, 16))).graph
+        engine = Engine(laid_out, params, CacheConfig(max_seqs=16, max_context=32, max_step_tokens=16))
+        work = [(engine.add_sequence(), [3 + i]) for i in range(16)]
+        engine.step_tokens(work)
+        found[form] = collective_stats(
+            engine.program.executable(engine.params, engine.caches, engine.last_batch, False).as_text())
+    a2a, gathered = found["all-to-all"], found["gathered"]
+    assert set(a2a) == {"all-to-all"} and a2a["all-to-all"]["count"] == 6 and a2a["all-to-all"]["group"] == 8
+    assert a2a["all-to-all"]["sent_bytes"] == dp8.moe_a2a_bytes
+    assert set(gathered) == {"all-gather", "reduce-scatter"}
+    assert gathered["all-gather"]["count"] == 4 and gathered["reduce-scatter"]["count"] == 2  # 2 MoE layers
+    assert gathered["all-gather"]["group"] == gathered["reduce-scatter"]["group"] == 8
+    assert gathered["all-gather"]["sent_bytes"] + gathered["reduce-scatter"]["sent_bytes"] == dp8.moe_bytes

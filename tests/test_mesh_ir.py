@@ -63,7 +63,7 @@ def test_a_graph_with_a_mesh_and_collectives_round_trips_and_verifies():
     verify(graph)
     text = print_graph(graph)
     assert text.splitlines()[1].startswith('  mesh {axes=["data", "model"], shape=[2, 4], devices=[0, 1, 4, 5')
-    assert "all_to_all(%2) {split_axis=1, concat_axis=0, over=\"rows\", mesh_axes=[\"data\", \"model\"]}" in text
+    assert "all_to_all(%2) {split_axis=1, concat_axis=0, over=\"rows\", mesh_axes=[\"data\", \"model\"], split=\"\"}" in text
     again = parse_graph(text, "t.qir")
     assert again.meta["mesh"] == MESH
     assert print_graph(again) == text

@@ -1,8 +1,8 @@
 """Laying a step graph out on a device mesh outside the checked pipeline: what `run CHECKPOINT --mesh` does.
 
-`run` on a checkpoint serves the unoptimized graph without a pass pipeline; with `--mesh` it applies gqa-sharding
-alone (structurally verified, not numerically checked: `compile --mesh N` and `bench --mesh N` check it), so the
-model runs data-parallel over the mesh's devices. A mesh the pass cannot use (experts that do not split) is a usage
+`run` on a checkpoint serves the unoptimized graph without a pass pipeline; with `--mesh` it applies gqa-sharding and
+moe-allgather-rs, the layout `--passes all` gives (structurally verified, not numerically checked: `compile --mesh N`
+and `bench --mesh N` check them), so the model runs data-parallel over the mesh's devices. A mesh the pass cannot use (experts that do not split) is a usage
 error, not a silent single-device run.
 """
 
@@ -14,10 +14,12 @@ from qcompile.ir.mesh import Mesh
 from qcompile.ir.verifier import verify
 from qcompile.passes.base import PassContext
 from qcompile.passes.gqa_sharding import GQA_SHARDING
+from qcompile.passes.moe_allgather_rs import MOE_ALLGATHER_RS
 
 
-def lay_out(graph: Graph, mesh: Mesh, concurrency: int, max_context: int) -> Graph:
-    """`graph` laid out on `mesh` by gqa-sharding (the input graph is not modified)."""
+def lay_out(graph: Graph, mesh: Mesh, concurrency: int, max_context: int, gather_moe: bool = True) -> Graph:
+    """`graph` laid out on `mesh` by gqa-sharding, its MoE layers as all-gather/reduce-scatter (moe-allgather-rs; with
+    `gather_moe` False, as gqa-sharding's all-to-all dispatch). The input graph is not modified."""
     if mesh.size == 1:
         return graph
     with_mesh = Graph(graph.dag, graph.outputs, {**graph.meta, "mesh": mesh})
@@ -25,5 +27,8 @@ def lay_out(graph: Graph, mesh: Mesh, concurrency: int, max_context: int) -> Gra
         ("concurrency", concurrency), ("max_context", max_context))))
     if result.skipped:
         raise UsageError(f"--mesh {'x'.join(map(str, mesh.shape))}: cannot lay the model out ({result.skipped})")
-    verify(result.graph)
-    return result.graph
+    laid_out = result.graph
+    if gather_moe:
+        laid_out = MOE_ALLGATHER_RS.run(laid_out, PassContext(num_devices=mesh.size)).graph
+    verify(laid_out)
+    return laid_out

@@ -9,7 +9,7 @@ import re
 
 _BYTES = {"f64": 8, "f32": 4, "bf16": 2, "f16": 2, "s64": 8, "s32": 4, "u32": 4, "s16": 2, "s8": 1, "u8": 1,
           "pred": 1, "f8e4m3fn": 1, "f8e5m2": 1}
-_COLLECTIVE = re.compile(r"=\s*(\(?[a-z0-9]+\[[^=]*?)\s(all-gather|reduce-scatter|all-reduce|all-to-all)(?:-start)?\("
+_COLLECTIVE = re.compile(r"=\s*(\(?[a-z0-9]+\[[^\n]*?)\s(all-gather|reduce-scatter|all-reduce|all-to-all)(?:-start)?\("
                          r"([^\n]*)")
 _GROUPS = re.compile(r"replica_groups=(?:\[\d+,(\d+)\]|\{\{([0-9,]*)\})")
 _SHAPE = re.compile(r"([a-z0-9]+)\[([0-9,]*)\]")
@@ -20,7 +20,8 @@ _SENT = {"all-gather": lambda n: (n - 1) / n, "reduce-scatter": lambda n: n - 1,
 
 def collective_stats(hlo_text: str) -> dict[str, dict]:
     """kind -> {count, result_bytes, sent_bytes, group}: the collectives of an optimized HLO module's text (an async
-    start/done pair counted once), per device."""
+    start/done pair counted once; a tuple-shaped all-to-all, as XLA's CPU backend writes one, counted by the bytes
+    of all its elements), per device."""
     found: dict[str, dict] = {}
     for match in _COLLECTIVE.finditer(hlo_text):
         shapes, kind, rest = match.groups()

@@ -36,7 +36,8 @@ from qcompile.errors import UsageError
 from qcompile.ir.cost import StepShape, step_cost
 from qcompile.ir.graph import Graph
 from qcompile.ir.lowering import is_sharded, lower
-from qcompile.ir.ops.moe import MoeDispatch, RouterTopK
+from qcompile.ir.ops.expert_parallel import DISPATCH_OPS
+from qcompile.ir.ops.moe import RouterTopK
 
 #: The field's workload shapes at full scale (input, output tokens).
 WORKLOADS = {"prefill-heavy": (8192, 1024), "decode-heavy": (1024, 8192)}
@@ -178,7 +179,7 @@ class Roofline:
         self.graph, self.sizes = graph, sizes
         self.bandwidth = ceilings["bandwidth_bytes_per_s"]
         self.peak = ceilings["matmul_flops_per_s"]["bf16" if dtype == "bf16" else "f32"]
-        self.num_experts = max((n.op.num_experts for n in graph.find(MoeDispatch)), default=0)
+        self.num_experts = max((n.op.num_experts for n in graph.nodes() if isinstance(n.op, DISPATCH_OPS)), default=0)
         self.top_k = max((n.op.k for n in graph.find(RouterTopK)), default=0)
 
     def expected_experts(self, routed_tokens: int) -> float:

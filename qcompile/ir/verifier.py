@@ -55,8 +55,12 @@ def verify(graph: Graph) -> None:
                                         f"but the mesh maps {over!r} to {list(expected or ())}: {where}")
             split = getattr(node.op, "split", "")
             if split and (split not in dict(mesh.rules) or mesh.rule(split) != expected):
-                raise VerificationError(f"reduce_scatter splits along {split!r}, which the mesh does not map to the "
+                raise VerificationError(f"{node.op.op_name} splits along {split!r}, which the mesh does not map to the "
                                         f"mesh axes of {over!r} ({list(expected)}): {where}")
+            ways = getattr(node.op, "ways", None)
+            if ways is not None and ways != mesh.ways(over):
+                raise VerificationError(f"{node.op.op_name} sends to {ways} devices, but {over!r} splits over "
+                                        f"{mesh.ways(over)}: {where}")
         if isinstance(node.op, (Input, Param)):
             key = (node.op.op_name, node.op.name)
             if key in leaves:

@@ -211,7 +211,9 @@ class EquivalenceChecker:
         warm = [seqs.add() for _ in CHECK_PROMPTS]
         warm_work = [(s, rng.integers(3, vocab, n).tolist()) for s, n in zip(warm, CHECK_PROMPTS)]
         # The warm-up runs through the same (non-donating) executable as the checks, so it costs no extra compile.
-        out = run_graph(reference, params, caches, seqs.pack(warm_work, self.bucket)[0])
+        # (a reproducer's reference may itself be laid out on data-parallel ranks)
+        out = run_graph(reference, params, caches,
+                        seqs.pack(warm_work, self.bucket, ranks=data_parallel_ranks(reference))[0])
         caches = {k: out[k] for k in caches}
         fresh = seqs.add()
         self.work = [(s, rng.integers(3, vocab, n).tolist()) for s, n in zip([*warm, fresh], CHECK_WORK)]

@@ -15,10 +15,12 @@ DP8 and DP4×TP2 hold the same KV per device and TP2 halves the attention weight
 The layout applied is attention data parallelism over every mesh axis with expert parallelism over the same axes:
 the mesh's rules map the logical axes `batch` and `experts` to all of its axes; the batch inputs, the KV pages and
 the GDN state slots are split along `batch` (each rank its own page pool and state slots, ir/abi.py); the routed
-experts' weights along `experts`; everything else is replicated. Each MoE layer becomes all-gather of the tokens and
-of the packed routing → the local experts' routes (moe_dispatch_local) → combine → reduce-scatter back to the
-tokens' ranks (ir/ops/expert_parallel.py). Plans with tensor parallelism are costed and reported but not yet
-lowered: when one wins, the best data-parallel plan is applied and the report says so.
+experts' weights along `experts`; everything else is replicated. Each MoE layer becomes conventional expert-parallel
+dispatch: each device sends its routes to the devices that own their experts with an all-to-all (capacity-padded
+blocks, nothing dropped), runs its local experts, and an all-to-all brings the results home
+(ir/ops/expert_parallel.py); moe-allgather-rs then rewrites that into all-gather → local experts → reduce-scatter.
+Plans with tensor parallelism are costed and reported but not yet lowered: when one wins, the best data-parallel
+plan is applied and the report says so.
 
 Why (design.md §4.1): Qwen3.5-397B has 32 query heads and 2 KV heads, so 8-way head parallelism cannot split the
 KV cache — it replicates each KV head 4 times. Skipped on one device.
@@ -33,9 +35,9 @@ import attrs
 from qcompile.ir.builder import Builder
 from qcompile.ir.graph import Graph, Value
 from qcompile.ir.ops.attention import PagedAttention
-from qcompile.ir.ops.collective import AllGather, ReduceScatter
+from qcompile.ir.ops.collective import AllToAll
 from qcompile.ir.ops.core import Input, Param
-from qcompile.ir.ops.expert_parallel import MoeDispatchLocal, PackRouting, UnpackRouting
+from qcompile.ir.ops.expert_parallel import MoeCombineReturned, MoeDispatchReceived, MoeReturn, MoeSend
 from qcompile.ir.ops.moe import GroupedMatmul, GroupedMatmulSwiglu, MoeCombine, MoeDispatch
 from qcompile.ir.types import Sharding, TensorType, np_dtype
 from qcompile.passes.base import Pass, PassContext, PassResult
@@ -78,6 +80,7 @@ class Plan:
     lowered: bool  # whether qcompile can lay it out today
     tp_allreduce_bytes: int = 0  # per device per decode step: two all-reduces per layer over the TP group
     moe_bytes: int = 0  # per device per decode step: the MoE layers' all-gathers (tokens + routing), reduce-scatter
+    moe_a2a_bytes: int = 0  # the same layers as conventional all-to-all dispatch (capacity-padded blocks)
 
     @property
     def name(self) -> str:
@@ -92,7 +95,8 @@ class Plan:
         return {"plan": self.name, "dp": self.dp, "tp": self.tp, "weight_bytes_per_device": self.weight_bytes,
                 "kv_bytes_per_device": self.kv_bytes, "state_bytes_per_device": self.state_bytes,
                 "total_bytes_per_device": self.total, "tp_allreduce_bytes_per_step": self.tp_allreduce_bytes,
-                "moe_collective_bytes_per_step": self.moe_bytes, "lowered": self.lowered}
+                "moe_collective_bytes_per_step": self.moe_bytes, "moe_all_to_all_bytes_per_step": self.moe_a2a_bytes,
+                "lowered": self.lowered}
 
 
 def _nbytes(t: TensorType) -> int:
@@ -172,7 +176,11 @@ def plans(facts: ModelFacts, devices: int, concurrency: int, context: int) -> li
         # every token (and its k routes, 2 i32 each) gathered to each device, the [C, H] partial sums scattered back
         gathered = concurrency * (rows + 8 * facts.top_k) * (devices - 1) // devices
         moe = facts.moe_layers * (gathered + concurrency * rows * (devices - 1) // devices)
-        found.append(Plan(dp, tp, weights, kv, state, lowered=tp == 1, tp_allreduce_bytes=allreduce, moe_bytes=moe))
+        # all-to-all: a device's T/D tokens' k routes sent in D blocks of T/D·k rows (+ an i32 id each), and back
+        routes = math.ceil(concurrency / devices) * facts.top_k * (devices - 1)
+        a2a = facts.moe_layers * routes * (2 * rows + 4)
+        found.append(Plan(dp, tp, weights, kv, state, lowered=tp == 1, tp_allreduce_bytes=allreduce, moe_bytes=moe,
+                          moe_a2a_bytes=a2a))
     return found
 
 
@@ -218,7 +226,8 @@ def run(graph: Graph, ctx: PassContext) -> PassResult:
 
 
 def _lay_out(graph: Graph, mesh) -> tuple[Graph, int]:
-    """The graph with the DP-attention + EP-MoE layout of `mesh` (rules for `batch` and `experts`)."""
+    """The graph with the DP-attention + EP-MoE layout of `mesh` (rules for `batch` and `experts`); each MoE layer
+    as conventional all-to-all dispatch (ir/ops/expert_parallel.py)."""
     ranks = mesh.ways(BATCH)
     axes = mesh.rule(BATCH)
     caches = set(graph.meta.get("caches", ()))
@@ -228,7 +237,8 @@ def _lay_out(graph: Graph, mesh) -> tuple[Graph, int]:
         combine_of[node.operands[1].node] = node
     builder = Builder()
     mapping: dict[Value, Value] = {}
-    gathered_weights: dict[int, Value] = {}  # combine node id -> the gathered router weights
+    ways = mesh.ways(EXPERTS)
+    slots: dict[int, Value] = {}  # combine node id -> where its routes' results come back (moe_send's slot)
     layers = 0
     for node in graph.nodes():
         op = node.op
@@ -242,23 +252,18 @@ def _lay_out(graph: Graph, mesh) -> tuple[Graph, int]:
         elif node.id in prep_nodes:  # weight preparation: its type rule carries the experts split through
             new = builder.add(op, *operands)
         elif isinstance(op, MoeDispatch) and node.id in combine_of:
-            combine = combine_of[node.id]
             x, ids = operands
-            weights = mapping[combine.operands[2]]
-            x_all = builder.add(AllGather(0, BATCH, axes), x)
-            packed = builder.add(PackRouting(), weights, ids)
-            packed_all = builder.add(AllGather(0, BATCH, axes), packed)
-            weights_all, ids_all = builder.add(UnpackRouting(builder.type_of(weights).dtype), packed_all)
-            new = builder.add(MoeDispatchLocal(op.num_experts, EXPERTS, axes), x_all, ids_all)
-            gathered_weights[combine.id] = weights_all
+            send, send_ids, slot = builder.add(MoeSend(op.num_experts, ways, EXPERTS, axes), x, ids)
+            recv = builder.add(AllToAll(0, 1, BATCH, axes, split=EXPERTS), send)
+            recv_ids = builder.add(AllToAll(0, 1, BATCH, axes, split=EXPERTS), send_ids)
+            new = builder.add(MoeDispatchReceived(op.num_experts, EXPERTS, axes), recv, recv_ids)
+            slots[combine_of[node.id].id] = slot
             layers += 1
-        elif isinstance(op, MoeCombine) and node.id in gathered_weights:
-            rows, order, _ = operands
-            t = graph.type_of(node.results[0])
-            partial = builder.add_typed(op, [rows, order, gathered_weights[node.id]],
-                                        [t.with_sharding(Sharding((None, None), (EXPERTS,)))])
-            new = builder.add_typed(ReduceScatter(0, EXPERTS, axes, BATCH), [partial],
-                                    [t.with_sharding(Sharding((BATCH, None)))])
+        elif isinstance(op, MoeCombine) and node.id in slots:
+            out, order, weights = operands
+            returned = builder.add(MoeReturn(ways, EXPERTS), out, order)
+            back = builder.add(AllToAll(1, 0, EXPERTS, axes, split=BATCH), returned)
+            new = builder.add(MoeCombineReturned(), back, slots[node.id], weights)
         else:
             new = copy_node(builder, node, operands)
             results = new if isinstance(new, tuple) else (new,)

@@ -36,12 +36,21 @@ def copy_node(builder: Builder, node: Node, operands: list[Value]):
 
 def rewrite(graph: Graph, rule: Rule) -> tuple[Graph, int]:
     """(new graph, number of nodes the rule replaced); the same graph object when it replaced none."""
+    new_graph, replaced = rebuild(graph, lambda builder, node, operands, mapping: rule(builder, node, operands))
+    return (new_graph, replaced) if replaced else (graph, 0)
+
+
+def rebuild(graph: Graph, rule, meta: dict | None = None) -> tuple[Graph, int]:
+    """`rewrite` for rules that need more than a node's operands: `rule(builder, node, operands, mapping)` also sees
+    `mapping` (every earlier node's results -> their replacements), so it can rebuild a producer it skipped past or a
+    value it matched elsewhere. Returns the rebuilt graph (with `meta` when given), dead nodes dropped, and the count
+    of replaced nodes."""
     builder = Builder()
     mapping: dict[Value, Value] = {}
     replaced = 0
     for node in graph.nodes():
         operands = [mapping[v] for v in node.operands]
-        new = None if isinstance(node.op, (Input, Param)) else rule(builder, node, operands)
+        new = None if isinstance(node.op, (Input, Param)) else rule(builder, node, operands, mapping)
         if new is None:
             new = copy_node(builder, node, operands)
         else:
@@ -50,11 +59,9 @@ def rewrite(graph: Graph, rule: Rule) -> tuple[Graph, int]:
         if len(new) != len(node.types):
             raise ValueError(f"rule replaced {len(node.types)} results of {node.op.op_name} with {len(new)}")
         mapping.update(zip(node.results, new))
-    if not replaced:
-        return graph, 0
     for name, value in graph.outputs.items():
         builder.output(name, mapping[value])
-    return eliminate_dead_nodes(builder.build(graph.meta)), replaced
+    return eliminate_dead_nodes(builder.build(graph.meta if meta is None else meta)), replaced
 
 
 def eliminate_dead_nodes(graph: Graph) -> Graph:

@@ -5,7 +5,7 @@ Shapes in the IR are global, so a collective changes a value's sharding, not its
     all_gather(x)     {axis=d, over=L}                   x split along L in dim d      -> whole in dim d
     reduce_scatter(x) {axis=d, over=L, split=L2}         x a partial sum over L         -> summed, split along L2 in dim d
     all_reduce(x)     {over=L}                           x a partial sum over L         -> summed, whole
-    all_to_all(x)     {split_axis=s, concat_axis=c, over=L}   split along L in dim c    -> split along L in dim s
+    all_to_all(x)     {split_axis=s, concat_axis=c, over=L, split=L2}   split along L in dim c -> split along L2 in dim s
 
 `mesh_axes` are the mesh axes `over` maps to in the graph's mesh (ir/mesh.py); the verifier checks they agree, and
 the lowering passes them to JAX's collectives, so the rules run inside `jax.shard_map` over that mesh, where each
@@ -78,13 +78,20 @@ class AllReduce:
 @op("all_to_all")
 @attrs.frozen
 class AllToAll:
-    """all_to_all(x) {split_axis, concat_axis, over, mesh_axes}: x, split along logical axis `over` in dim
-    `concat_axis`, re-split along it in dim `split_axis` (each device sends block j of its split dim to device j)."""
+    """all_to_all(x) {split_axis, concat_axis, over, mesh_axes, split}: x, split along logical axis `over` in dim
+    `concat_axis`, re-split in dim `split_axis` (each device sends block j of its split dim to device j) along logical
+    axis `split` ("": `over` itself), which must map to the same mesh axes — e.g. expert-parallel dispatch, where
+    each device's tokens (split along `batch`) go to the devices that own their experts (split along `experts`)."""
 
     split_axis: int
     concat_axis: int
     over: str
     mesh_axes: tuple[str, ...] = attrs.field(converter=_names)
+    split: str = ""
+
+    @property
+    def result_axis(self) -> str:
+        return self.split or self.over
 
 
 @type_rule(AllGather)
@@ -119,7 +126,7 @@ def _all_to_all_type(op_, x):
     expect(sharding.dims[c] == op_.over, f"all_to_all over {op_.over!r}: {x} is not split along it in dim {c}")
     expect(sharding.dims[s] is None, f"all_to_all into dim {s}: {x} is already split there")
     dims = list(sharding.dims)
-    dims[c], dims[s] = None, op_.over
+    dims[c], dims[s] = None, op_.result_axis
     return x.with_sharding(Sharding(tuple(dims), sharding.partial))
 
 

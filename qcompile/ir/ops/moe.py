@@ -155,9 +155,14 @@ def _combine_type(op_, rows, order, weights):
 @lowering(MoeCombine)
 def _combine(op_, rows, order, weights):
     tokens, k = weights.shape
-    unsorted = jnp.zeros_like(rows).at[order].set(rows).reshape(tokens, k, rows.shape[1])
-    weighted = unsorted * weights.astype(rows.dtype)[:, :, None]  # rounded to the model dtype, as HF does
-    return jnp.sum(weighted.astype(jnp.float32), axis=1).astype(rows.dtype)
+    return weighted_route_sum(jnp.zeros_like(rows).at[order].set(rows).reshape(tokens, k, rows.shape[1]), weights)
+
+
+def weighted_route_sum(routes, weights):
+    """Σ_j weights[t, j] · routes[t, j, :] for routes [T, k, H] in token order: each product rounded to the model
+    dtype, as HF does, the sum over the k routes in f32."""
+    weighted = routes * weights.astype(routes.dtype)[:, :, None]
+    return jnp.sum(weighted.astype(jnp.float32), axis=1).astype(routes.dtype)
 
 
 @cost(GroupedMatmul)
