@@ -3,8 +3,9 @@
     python benchmarks/collectives.py CHECKPOINT [--mesh 8] [--tokens 32] [--json FILE]
 
 For one decode-shaped step (T tokens, one per sequence, R = T rows) of CHECKPOINT's unoptimized graph and of the
-graph laid out on the mesh by gqa-sharding alone (MoE layers as all-to-all dispatch) and by gqa-sharding +
-moe-allgather-rs (all-gather → local experts → reduce-scatter), this compiles the step with XLA (cpu rules) and lists
+graph laid out on the mesh by gqa-sharding alone (MoE layers as all-to-all dispatch), by gqa-sharding +
+moe-allgather-rs (all-gather → local experts → reduce-scatter) and, on a two-axis mesh (`--mesh 2x4`), with
+hierarchical-collectives too (each collective as a local and an across stage), this compiles the step with XLA (cpu rules) and lists
 every collective in the optimized HLO with the bytes of its result on one device and the bytes one device sends;
 it then times the step (median of repeats) on one device and on the simulated mesh. The simulated devices share this host's cores, so the times are cost structure
 (what the layout adds: collectives, per-rank padding), not speed. It also prints gqa-sharding's prediction of the
@@ -53,10 +54,14 @@ def main() -> None:
     params = load_params(ckpt, graph, progress=False)
     context = 64
     a2a = lay_out(graph, mesh, concurrency=args.tokens, max_context=context, gather_moe=False)
-    gathered = lay_out(graph, mesh, concurrency=args.tokens, max_context=context)
+    gathered = lay_out(graph, mesh, concurrency=args.tokens, max_context=context, hierarchical=False)
+    builds = [("single device", graph), (f"gqa-sharding on {args.mesh}", a2a),
+              (f"+ moe-allgather-rs on {args.mesh}", gathered)]
+    if len(mesh.shape) > 1:
+        builds.append((f"+ hierarchical-collectives on {args.mesh}",
+                       lay_out(graph, mesh, concurrency=args.tokens, max_context=context)))
     report = {"checkpoint": str(args.checkpoint), "mesh": list(mesh.shape), "tokens": args.tokens, "builds": {}}
-    for label, g in (("single device", graph), (f"gqa-sharding on {args.mesh}", a2a),
-                     (f"+ moe-allgather-rs on {args.mesh}", gathered)):
+    for label, g in builds:
         slots = -(-args.tokens // mesh.size) * mesh.size
         engine = Engine(g, params, CacheConfig(max_seqs=slots, max_context=context, max_step_tokens=args.tokens))
         seqs = [engine.add_sequence() for _ in range(args.tokens)]
@@ -72,8 +77,9 @@ def main() -> None:
         found = collective_stats(hlo)
         report["builds"][label] = {"collectives": found, "step_ms_median": 1e3 * statistics.median(times)}
         print(f"{label:<28} step {1e3 * statistics.median(times):7.2f} ms (median of {args.repeats}); collectives: "
-              + (", ".join(f"{k} x{v['count']} (groups of {v['group']}) results {v['result_bytes'] / 1024:.1f} KiB, sent "
-                        f"{v['sent_bytes'] / 1024:.1f} KiB" for k, v in found.items()) or "none"))
+              + (", ".join(f"{k} x{s['count']} (groups of {n}) results {s['result_bytes'] / 1024:.1f} KiB, sent "
+                        f"{s['sent_bytes'] / 1024:.1f} KiB" for k, v in found.items()
+                        for n, s in v["by_group"].items()) or "none"))
         del engine
     facts = model_facts(graph)
     predicted = {p.name: {"moe_collective_bytes": p.moe_bytes, "moe_all_to_all_bytes": p.moe_a2a_bytes,

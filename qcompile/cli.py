@@ -181,9 +181,10 @@ def _size_option(ctx, param, value):
         raise click.BadParameter(str(err)) from None
 
 
-def _setup_mesh(spec: str | None):
-    """The Mesh of a --mesh SPEC (None without one), with this host's JAX given that many CPU devices: JAX fixes its
-    device count when it starts, so this runs before anything touches a device."""
+def _setup_mesh(spec: str | None, cluster=None):
+    """The Mesh of a --mesh SPEC (None without one), with this host's JAX given that many CPU devices — or, with
+    `cluster` (--coordinator ...), this process's share of them, joined to the other processes: JAX fixes its
+    devices when it starts, so this runs before anything touches a device."""
     if spec is None:
         return None
     from qcompile.ir.mesh import parse_mesh_spec
@@ -192,17 +193,48 @@ def _setup_mesh(spec: str | None):
         mesh = parse_mesh_spec(spec)
     except ValueError as err:
         raise UsageError(str(err)) from None
-    use_host_devices(mesh.size)
+    if cluster is not None:
+        cluster.join(mesh.size)
+    else:
+        use_host_devices(mesh.size)
     return mesh
 
 
-def _artifact_devices(path: Path) -> None:
+def _artifact_devices(path: Path, cluster=None) -> None:
     """Give JAX the devices an artifact's mesh needs (a laid-out artifact records its mesh), before it starts."""
     from qcompile.runtime.artifact import artifact_devices
 
     count = artifact_devices(path)
-    if count > 1:
+    if cluster is not None:
+        if count == 1:
+            raise UsageError(f"{path} runs on one device; several processes need a laid-out artifact (compile it "
+                             "with --mesh)")
+        cluster.join(count)
+    elif count > 1:
         use_host_devices(count)
+
+
+def _cluster_options(command):
+    """--coordinator / --num-processes / --process-id: one of N cooperating processes (runtime/distributed.py)."""
+    for option in reversed((
+            click.option("--coordinator", metavar="HOST:PORT",
+                         help="Run as one of several processes sharing the mesh (jax.distributed, gloo collectives "
+                              "on CPU); process 0 serves the coordinator at this address. With --num-processes "
+                              "and --process-id; the mesh (--mesh, or the artifact's) is split over the processes, "
+                              "outer axis first (--mesh 2x4: 2 processes x 4 devices)."),
+            click.option("--num-processes", type=int, metavar="N", help="How many processes (with --coordinator)."),
+            click.option("--process-id", type=int, metavar="I", help="This process, 0..N-1 (with --coordinator); "
+                                                                       "process 0 prints the results."),
+            click.option("--join-timeout", type=float, default=120, show_default=True, metavar="SECONDS",
+                         help="How long a process waits for the others to start (with --coordinator)."))):
+        command = option(command)
+    return command
+
+
+def _cluster(coordinator, num_processes, process_id, join_timeout):
+    from qcompile.runtime.distributed import Cluster
+
+    return Cluster.from_options(coordinator, num_processes, process_id, join_timeout)
 
 
 def use_host_devices(count: int) -> None:
@@ -281,7 +313,9 @@ def _check_output_file(path: Path, flag: str) -> None:
 @click.option("--mesh", "mesh_spec", metavar="SPEC",
               help="Lay the model out on a device mesh (8, 4x2, 2x4) with gqa-sharding; this host gets that many "
                    "CPU devices (simulated: they share its cores).")
-def run_cmd(checkpoint, prompt_ids, max_new_tokens, dtype, save_logits, ignore_eos, memory_budget, as_json, mesh_spec):
+@_cluster_options
+def run_cmd(checkpoint, prompt_ids, max_new_tokens, dtype, save_logits, ignore_eos, memory_budget, as_json, mesh_spec,
+            coordinator, num_processes, process_id, join_timeout):
     """Greedy-generate from CHECKPOINT (or a compiled artifact directory) and print the new token ids.
 
     Generation stops after an EOS token (the config's eos_token_id; printed as the last token) or after
@@ -294,21 +328,24 @@ def run_cmd(checkpoint, prompt_ids, max_new_tokens, dtype, save_logits, ignore_e
     from qcompile.runtime.model import load_model
 
     prompts = [_parse_ids(text) for text in prompt_ids]
-    mesh = _setup_mesh(mesh_spec)
+    cluster = _cluster(coordinator, num_processes, process_id, join_timeout)
+    from qcompile.runtime.artifact import is_artifact, load_artifact
+
+    if cluster is not None and mesh_spec is None and not is_artifact(checkpoint):
+        raise UsageError("several processes share a mesh: give --mesh (e.g. --mesh 2x4) or a laid-out artifact")
+    mesh = _setup_mesh(mesh_spec, cluster)
     if save_logits is not None:
         if len(prompts) > 1:
             raise UsageError("--save-logits saves one prompt's logits; give one --prompt-ids with it")
         _check_output_file(save_logits, "--save-logits")  # before loading: never fail after generating
     longest = max(len(ids) for ids in prompts)
     started = time.perf_counter()
-    from qcompile.runtime.artifact import is_artifact, load_artifact
-
     if is_artifact(checkpoint):
         if dtype:
             raise UsageError("--dtype does not apply to an artifact: its dtype was fixed when it was compiled")
         if mesh is not None:
             raise UsageError("--mesh does not apply to an artifact: its layout was fixed when it was compiled")
-        _artifact_devices(checkpoint)
+        _artifact_devices(checkpoint, cluster)
         artifact = load_artifact(checkpoint)
         if artifact.weights_note:
             click.echo(artifact.weights_note, err=True)
@@ -346,6 +383,10 @@ def run_cmd(checkpoint, prompt_ids, max_new_tokens, dtype, save_logits, ignore_e
     loaded = time.perf_counter()
     result = engine.generate(prompts, max_new_tokens, prompt_logits=save_logits is not None, eos_ids=eos_ids)
     done = time.perf_counter()
+    from qcompile.runtime.distributed import is_leader
+
+    if not is_leader():  # every process generated the same tokens; process 0 reports them
+        return
     if save_logits:
         try:
             with open(save_logits, "wb") as f:
@@ -425,8 +466,10 @@ def init_tiny_cmd(directory, family, preset, seed, dtype, sparse, force):
 @click.option("--mesh", "mesh_spec", metavar="SPEC",
               help="Lay the model out on a device mesh (8, 4x2, 2x4) with gqa-sharding; this host gets that many "
                    "CPU devices (simulated: they share its cores).")
+@_cluster_options
 def bench_cmd(source, workload, scale, input_len, output_len, concurrency, num_prompts, request_rate, passes_spec,
-              compare, ablate, dtype, max_step_tokens, verify, seed, memory_budget, json_path, plot_path, mesh_spec):
+              compare, ablate, dtype, max_step_tokens, verify, seed, memory_budget, json_path, plot_path, mesh_spec,
+              coordinator, num_processes, process_id, join_timeout):
     """Measure prefill/decode throughput, latency and % of roofline of CHECKPOINT (or an artifact)."""
     from qcompile.compiler.bench import BenchOptions, run_bench
 
@@ -434,15 +477,28 @@ def bench_cmd(source, workload, scale, input_len, output_len, concurrency, num_p
         levels = tuple(int(part) for part in concurrency.split(","))
     except ValueError:
         raise UsageError(f"--concurrency must be comma-separated integers, got {concurrency!r}") from None
-    mesh = _setup_mesh(mesh_spec)
+    cluster = _cluster(coordinator, num_processes, process_id, join_timeout)
+    if cluster is not None:
+        from qcompile.runtime.artifact import is_artifact
+
+        if mesh_spec is None and not is_artifact(source):
+            raise UsageError("several processes share a mesh: give --mesh (e.g. --mesh 2x4) or a laid-out artifact")
+        if compare:
+            raise UsageError("--compare runs transformers in one process; drop it with --coordinator")
+    mesh = _setup_mesh(mesh_spec, cluster)
     if mesh is None:
-        _artifact_devices(source)
+        _artifact_devices(source, cluster)
+    from qcompile.runtime.distributed import is_leader
+
+    leader = is_leader()  # every process measures the same run; process 0 reports it
+    if not leader:
+        json_path = plot_path = None
     opts = BenchOptions(source=source, workload=workload, input_len=input_len, output_len=output_len, scale=scale,
                         concurrency=levels, num_prompts=num_prompts, passes=passes_spec, compare=tuple(compare),
                         ablate=ablate, json_path=json_path, plot_path=plot_path, seed=seed, dtype=dtype,
                         max_step_tokens=max_step_tokens, verify=verify, memory_budget=memory_budget,
                         request_rate=request_rate, mesh=mesh)
-    run_bench(opts, emit=click.echo)
+    run_bench(opts, emit=click.echo if leader else lambda *args, **kwargs: None)
 
 
 @cli.command("check", context_settings=CONTEXT)

@@ -71,6 +71,19 @@ def write_small(path, family: str = "qwen3_5_moe", seed: int = 0, layer_types=("
     return write_checkpoint(path, config, seed=seed)
 
 
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    """A small qwen3_5_moe checkpoint (8 experts: they split over the suite's 8 devices), its step graph and
+    parameters, made once per module (the distribution tests)."""
+    from qcompile.frontend.checkpoint import Checkpoint
+    from qcompile.ir.importer import build_graph
+    from qcompile.ir.weights import load_params
+
+    checkpoint = Checkpoint.open(write_small(tmp_path_factory.mktemp("small") / "ckpt"))
+    graph = build_graph(checkpoint, None, 16)
+    return checkpoint, graph, load_params(checkpoint, graph, progress=False)
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_executables():
     """Drop JAX's compiled executables after each test module.

@@ -92,7 +92,7 @@ def _verify_text(text: str):
      .replace('param "w" : f32[8,16]<_,model>', 'param "w" : f32[8,18]<_,model>'), "not divisible by the 4 pieces"),
     (lambda t: t.replace('f32[8,8]<rows,_>', 'f32[8,8]<lanes,_>', 1), "'lanes' of f32[8,8]<lanes,_> has no rule"),
     (lambda t: t.replace('f32[8,8]<rows,_>', 'f32[8,8]<rows,model>', 1), "uses mesh axis 'model' twice"),
-    (lambda t: t.replace('over="rows", mesh_axes=["data", "model"]}', 'over="rows", mesh_axes=["model"]}', 1),
+    (lambda t: t.replace('over="rows", mesh_axes=["data", "model"]', 'over="rows", mesh_axes=["model"]', 1),
      "runs on mesh axes ['model'], but the mesh maps 'rows' to ['data', 'model']"),
 ])
 def test_the_verifier_checks_shardings_against_the_mesh(edit, message):

@@ -19,9 +19,10 @@ _SENT = {"all-gather": lambda n: (n - 1) / n, "reduce-scatter": lambda n: n - 1,
 
 
 def collective_stats(hlo_text: str) -> dict[str, dict]:
-    """kind -> {count, result_bytes, sent_bytes, group}: the collectives of an optimized HLO module's text (an async
-    start/done pair counted once; a tuple-shaped all-to-all, as XLA's CPU backend writes one, counted by the bytes
-    of all its elements), per device."""
+    """kind -> {count, result_bytes, sent_bytes, group, by_group}: the collectives of an optimized HLO module's text
+    (an async start/done pair counted once; a tuple-shaped all-to-all, as XLA's CPU backend writes one, counted by
+    the bytes of all its elements), per device; `by_group` splits them by replica-group size (a hierarchical
+    collective's local and across stages)."""
     found: dict[str, dict] = {}
     for match in _COLLECTIVE.finditer(hlo_text):
         shapes, kind, rest = match.groups()
@@ -35,8 +36,13 @@ def collective_stats(hlo_text: str) -> dict[str, dict]:
             for d in filter(None, dims.split(",")):
                 count *= int(d)
             size += count * _BYTES.get(dtype, 4)
-        entry = found.setdefault(kind, {"count": 0, "result_bytes": 0, "sent_bytes": 0, "group": n})
+        entry = found.setdefault(kind, {"count": 0, "result_bytes": 0, "sent_bytes": 0, "group": n, "by_group": {}})
+        sent = int(size * _SENT[kind](n))
         entry["count"] += 1
         entry["result_bytes"] += size
-        entry["sent_bytes"] += int(size * _SENT[kind](n))
+        entry["sent_bytes"] += sent
+        stage = entry["by_group"].setdefault(n, {"count": 0, "result_bytes": 0, "sent_bytes": 0})
+        stage["count"] += 1
+        stage["result_bytes"] += size
+        stage["sent_bytes"] += sent
     return found

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
+
 from qcompile.errors import QCompileError
 from qcompile.ir.graph import Graph, Value
 from qcompile.ir.ops.core import Input, Param
@@ -132,3 +134,26 @@ def lower_step(graph: Graph, target: str = "reference", taps: dict[str, Value] |
             raise QCompileError("taps are not supported on a sharded graph")
         return lower_on_mesh(graph, target)
     return lower(graph, target, taps)
+
+
+def whole_view(array) -> np.ndarray:
+    """A step output on the host, whole in every process (gathered from the others' blocks across processes)."""
+    if getattr(array, "is_fully_addressable", True):
+        return np.asarray(array)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(array, tiled=True))
+
+
+def local_view(array) -> np.ndarray:
+    """A step output on the host: the whole array when this process holds all of it; across processes
+    (jax.distributed), a masked array holding this process's blocks and masking the rest — so each process compares
+    only what it holds (no gather of other processes' KV pages)."""
+    if getattr(array, "is_fully_addressable", True):
+        return np.asarray(array)
+    data = np.zeros(array.shape, array.dtype)
+    hidden = np.ones(array.shape, bool)
+    for shard in array.addressable_shards:
+        data[shard.index] = np.asarray(shard.data)
+        hidden[shard.index] = False
+    return np.ma.MaskedArray(data, hidden)

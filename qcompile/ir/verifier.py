@@ -57,6 +57,14 @@ def verify(graph: Graph) -> None:
             if split and (split not in dict(mesh.rules) or mesh.rule(split) != expected):
                 raise VerificationError(f"{node.op.op_name} splits along {split!r}, which the mesh does not map to the "
                                         f"mesh axes of {over!r} ({list(expected)}): {where}")
+            stages = getattr(node.op, "stages", ())
+            if stages:
+                across_then_local = stages if node.op.op_name == "all_gather" else stages[::-1]
+                if len(stages) != 2 or not all(stages) or sum(across_then_local, ()) != tuple(node.op.mesh_axes):
+                    raise VerificationError(f"{node.op.op_name} stages {[list(s) for s in stages]} must be two groups "
+                                            f"that split its mesh axes {list(node.op.mesh_axes)} into across (outer) "
+                                            "and local (inner) — a reduce-scatter local first, an all-gather across "
+                                            f"first: {where}")
             ways = getattr(node.op, "ways", None)
             if ways is not None and ways != mesh.ways(over):
                 raise VerificationError(f"{node.op.op_name} sends to {ways} devices, but {over!r} splits over "

@@ -34,6 +34,7 @@ from qcompile.ir.lowering import host_target, step_function
 from qcompile.ir.types import TensorType, np_dtype
 from qcompile.ir.weights import param_types
 from qcompile.kernels import native
+from qcompile.runtime.distributed import to_host
 from qcompile.runtime.memory import (CompiledBuckets, cache_bytes, compiled_memory, gib, peak_rss, resident,
                                      step_intermediates, weight_bytes)
 
@@ -314,7 +315,7 @@ class Engine:
     def step(self, work: list[tuple[Sequence, list[int]]], all_logits: bool = False) -> list[np.ndarray]:
         """Run one ragged step. Returns, per work item, logits [n, V] (all_logits) or [V] for its last token."""
         outputs = self._run(work, all_logits, True)
-        logits = np.asarray(outputs[LOGITS])
+        logits = to_host(outputs[LOGITS])
         if not all_logits:
             return [logits[rows[0]] for rows in outputs["item_rows"]]
         return [logits[rows[0]:rows[-1] + 1] for rows in outputs["item_rows"]]
@@ -322,7 +323,7 @@ class Engine:
     def step_tokens(self, work: list[tuple[Sequence, list[int]]]) -> list[int]:
         """Run one ragged step; returns the greedy next token of each work item (only token ids leave the device)."""
         outputs = self._run(work, False, False)
-        tokens = np.asarray(outputs[NEXT_TOKENS])
+        tokens = to_host(outputs[NEXT_TOKENS])
         return [int(tokens[rows[0]]) for rows in outputs["item_rows"]]
 
     def prefill(self, work: list[tuple[Sequence, list[int]]], all_logits: bool = False,

@@ -10,12 +10,18 @@ Shapes in the IR are global, so a collective changes a value's sharding, not its
 `mesh_axes` are the mesh axes `over` maps to in the graph's mesh (ir/mesh.py); the verifier checks they agree, and
 the lowering passes them to JAX's collectives, so the rules run inside `jax.shard_map` over that mesh, where each
 operand is one device's block (ir/lowering.py::lower_on_mesh).
+
+`stages` (all_gather and reduce_scatter; set by hierarchical-collectives) runs one collective over several mesh
+axes as two, each over a group of them, in the order given — a reduce-scatter over the local (inner) axis first and
+then across, an all-gather across first and then over the local axis — with the blocks permuted so that every
+device ends with the block the one-stage collective gives it (see `_staged_reduce_scatter`).
 """
 
 from __future__ import annotations
 
 import attrs
 import jax
+import jax.numpy as jnp
 
 from qcompile.ir.cost import Cost, cost, nbytes
 from qcompile.ir.registry import expect, lowering, op, type_rule
@@ -24,6 +30,10 @@ from qcompile.ir.types import Sharding, TensorType
 
 def _names(value) -> tuple[str, ...]:
     return tuple(value)
+
+
+def _stages(value) -> tuple[tuple[str, ...], ...]:
+    return tuple(tuple(stage) for stage in value)
 
 
 def _sharding(x: TensorType, what: str) -> Sharding:
@@ -45,6 +55,7 @@ class AllGather:
     axis: int
     over: str
     mesh_axes: tuple[str, ...] = attrs.field(converter=_names)
+    stages: tuple[tuple[str, ...], ...] = attrs.field(default=(), converter=_stages)
 
 
 @op("reduce_scatter")
@@ -59,6 +70,7 @@ class ReduceScatter:
     over: str
     mesh_axes: tuple[str, ...] = attrs.field(converter=_names)
     split: str = ""
+    stages: tuple[tuple[str, ...], ...] = attrs.field(default=(), converter=_stages)
 
     @property
     def split_axis(self) -> str:
@@ -132,12 +144,39 @@ def _all_to_all_type(op_, x):
 
 @lowering(AllGather)
 def _all_gather(op_, x):
-    return jax.lax.all_gather(x, op_.mesh_axes, axis=op_.axis % x.ndim, tiled=True)
+    d = op_.axis % x.ndim
+    if not op_.stages:
+        return jax.lax.all_gather(x, op_.mesh_axes, axis=d, tiled=True)
+    (across, local) = op_.stages
+    # across first: device (a, l) gathers blocks (a', l) in a' order, then over the local axis: blocks in (l', a')
+    # order, which a transpose puts back in the one-stage order a'·L + l'
+    x = jax.lax.all_gather(x, across, axis=d, tiled=True)
+    x = jax.lax.all_gather(x, local, axis=d, tiled=True)
+    return _swap_blocks(x, d, jax.lax.axis_size(local), jax.lax.axis_size(across))
 
 
 @lowering(ReduceScatter)
 def _reduce_scatter(op_, x):
-    return jax.lax.psum_scatter(x, op_.mesh_axes, scatter_dimension=op_.axis % x.ndim, tiled=True)
+    d = op_.axis % x.ndim
+    if not op_.stages:
+        return jax.lax.psum_scatter(x, op_.mesh_axes, scatter_dimension=d, tiled=True)
+    return _staged_reduce_scatter(x, d, *op_.stages)
+
+
+def _staged_reduce_scatter(x, d: int, local: tuple[str, ...], across: tuple[str, ...]):
+    """The one-stage reduce-scatter over across + local (block a·L + l to device (a, l)) as a reduce-scatter over the
+    local axes, then one across: the blocks are first reordered to (l, a), so the local stage leaves device l the
+    sum of blocks (·, l) — L times fewer bytes to send across — and the across stage gives (a, l) its block."""
+    x = _swap_blocks(x, d, jax.lax.axis_size(across), jax.lax.axis_size(local))
+    x = jax.lax.psum_scatter(x, local, scatter_dimension=d, tiled=True)
+    return jax.lax.psum_scatter(x, across, scatter_dimension=d, tiled=True)
+
+
+def _swap_blocks(x, d: int, outer: int, inner: int):
+    """x with dim d seen as [outer, inner, rest] blocks and re-laid out as [inner, outer, rest]."""
+    shape = x.shape
+    blocks = x.reshape(shape[:d] + (outer, inner, shape[d] // (outer * inner)) + shape[d + 1:])
+    return jnp.swapaxes(blocks, d, d + 1).reshape(shape)
 
 
 @lowering(AllReduce)
