@@ -313,9 +313,16 @@ def _check_output_file(path: Path, flag: str) -> None:
 @click.option("--mesh", "mesh_spec", metavar="SPEC",
               help="Lay the model out on a device mesh (8, 4x2, 2x4) with gqa-sharding; this host gets that many "
                    "CPU devices (simulated: they share its cores).")
+@click.option("--temperature", default=0.0, show_default=True, type=float,
+              help="Sample with this temperature (0: greedy), on the device.")
+@click.option("--top-k", default=0, show_default=True, type=int, help="Sample from the k most likely tokens (0: all).")
+@click.option("--top-p", default=1.0, show_default=True, type=float,
+              help="Sample from the smallest set of tokens whose probability reaches P (1: all).")
+@click.option("--seed", default=0, show_default=True, type=int,
+              help="Sampling seed; prompt i draws with seed + i, so a run is reproducible whatever the batch.")
 @_cluster_options
 def run_cmd(checkpoint, prompt_ids, max_new_tokens, dtype, save_logits, ignore_eos, memory_budget, as_json, mesh_spec,
-            coordinator, num_processes, process_id, join_timeout):
+            temperature, top_k, top_p, seed, coordinator, num_processes, process_id, join_timeout):
     """Greedy-generate from CHECKPOINT (or a compiled artifact directory) and print the new token ids.
 
     Generation stops after an EOS token (the config's eos_token_id; printed as the last token) or after
@@ -327,7 +334,12 @@ def run_cmd(checkpoint, prompt_ids, max_new_tokens, dtype, save_logits, ignore_e
     from qcompile.ir.abi import CacheConfig
     from qcompile.runtime.model import load_model
 
+    from qcompile.runtime.sampling import Sampling
+
     prompts = [_parse_ids(text) for text in prompt_ids]
+    sampling = Sampling(temperature, top_k, top_p, seed)  # refused (exit 2) before anything loads
+    if not sampling.greedy and save_logits is not None:
+        raise UsageError("--save-logits saves a greedy run's prompt logits; drop --temperature")
     cluster = _cluster(coordinator, num_processes, process_id, join_timeout)
     from qcompile.runtime.artifact import is_artifact, load_artifact
 
@@ -381,7 +393,10 @@ def run_cmd(checkpoint, prompt_ids, max_new_tokens, dtype, save_logits, ignore_e
     if ignore_eos:
         eos_ids = ()
     loaded = time.perf_counter()
-    result = engine.generate(prompts, max_new_tokens, prompt_logits=save_logits is not None, eos_ids=eos_ids)
+    if sampling.greedy:
+        result = engine.generate(prompts, max_new_tokens, prompt_logits=save_logits is not None, eos_ids=eos_ids)
+    else:
+        result = _sample_prompts(engine, prompts, max_new_tokens, eos_ids, sampling)
     done = time.perf_counter()
     from qcompile.runtime.distributed import is_leader
 
@@ -403,6 +418,22 @@ def run_cmd(checkpoint, prompt_ids, max_new_tokens, dtype, save_logits, ignore_e
                                    "memory": memory}))
         else:
             click.echo(",".join(str(t) for t in tokens))
+
+
+def _sample_prompts(engine, prompts, max_new_tokens, eos_ids, sampling) -> dict:
+    """`run` with sampling: the prompts served by the continuous-batching scheduler, prompt i drawing with seed + i
+    (its tokens are the same alone or together); the result in `Engine.generate`'s form."""
+    import attrs
+
+    from qcompile.runtime.scheduler import Request, Scheduler
+
+    requests = [Request(ids, max_new_tokens, stop_ids=tuple(eos_ids), id=i,
+                        sampling=attrs.evolve(sampling, seed=(sampling.seed + i) % 2**32))
+                for i, ids in enumerate(prompts)]
+    Scheduler(engine).run(requests)
+    return {"tokens": [r.tokens for r in requests],
+            "finish_reasons": ["eos" if r.finish_reason == "stop" else r.finish_reason for r in requests],
+            "first_token_at": min(r.first_token_at for r in requests)}
 
 
 @cli.command("init-tiny", context_settings=CONTEXT)

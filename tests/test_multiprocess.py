@@ -17,6 +17,8 @@ import pytest
 from conftest import write_small
 
 TIMEOUT_S = 300
+PROMPTS = ["--prompt-ids", "1,2,3", "--prompt-ids", "4,5,6,7,8,9,10", "--prompt-ids", "11,12", "--max-new-tokens", "5",
+           "--ignore-eos"]
 
 
 def _free_port() -> int:
@@ -47,21 +49,33 @@ def _two_processes(*argv: str) -> list[subprocess.CompletedProcess]:
 
 
 def test_run_across_two_processes_gives_the_single_process_tokens(tmp_path):
+    """A checkpoint laid out on 2x4 (process 0 prints, process 1 stays quiet); the laid-out artifact: slow tier."""
     path = write_small(tmp_path / "ckpt", "qwen3_next")
-    prompts = ["--prompt-ids", "1,2,3", "--prompt-ids", "4,5,6,7,8,9,10", "--prompt-ids", "11,12", "--max-new-tokens",
-               "5", "--ignore-eos"]
+    prompts = PROMPTS
     single = _qcompile("run", str(path), *prompts)
     assert single.returncode == 0, single.stderr
     leader, other = _two_processes("run", str(path), *prompts, "--mesh", "2x4")
     assert leader.returncode == 0 and other.returncode == 0, leader.stderr + other.stderr
     assert leader.stdout == single.stdout and len(single.stdout.splitlines()) == 3
     assert other.stdout == ""  # process 0 reports
+
+
+@pytest.mark.slow
+def test_a_laid_out_artifact_runs_and_benches_across_two_processes(tmp_path):
+    path = write_small(tmp_path / "ckpt", "qwen3_next")
+    prompts = PROMPTS
+    single = _qcompile("run", str(path), *prompts)
+    assert single.returncode == 0, single.stderr
     compiled = _qcompile(str(path), "-o", str(tmp_path / "art"), "--mesh", "2x4", "--max-seqs", "8",
                          "--max-context", "32", "--max-step-tokens", "8", "--verify", "none")
     assert compiled.returncode == 0, compiled.stderr
     leader, other = _two_processes("run", str(tmp_path / "art"), *prompts)
     assert leader.returncode == 0 and other.returncode == 0, leader.stderr + other.stderr
     assert leader.stdout == single.stdout
+    leader, other = _two_processes("bench", str(tmp_path / "art"), "--concurrency", "4", "--input-len", "8",
+                                   "--output-len", "3")
+    assert leader.returncode == 0 and other.returncode == 0, leader.stderr + other.stderr
+    assert "qcompile               all" in leader.stdout and other.stdout == ""
 
 
 def test_bench_across_two_processes_checks_and_measures(tmp_path):
@@ -71,18 +85,6 @@ def test_bench_across_two_processes_checks_and_measures(tmp_path):
     assert leader.returncode == 0 and other.returncode == 0, leader.stderr + other.stderr
     assert "checked against the unoptimized graph" in leader.stdout and "qcompile               all" in leader.stdout
     assert other.stdout == "" and (tmp_path / "b.json").exists()
-
-
-@pytest.mark.slow
-def test_bench_on_a_laid_out_artifact_across_two_processes(tmp_path):
-    path = write_small(tmp_path / "ckpt")
-    compiled = _qcompile(str(path), "-o", str(tmp_path / "art"), "--mesh", "2x4", "--max-seqs", "8",
-                         "--max-context", "32", "--max-step-tokens", "8", "--verify", "none")
-    assert compiled.returncode == 0, compiled.stderr
-    leader, other = _two_processes("bench", str(tmp_path / "art"), "--concurrency", "4", "--input-len", "8",
-                                   "--output-len", "3")
-    assert leader.returncode == 0 and other.returncode == 0, leader.stderr + other.stderr
-    assert "qcompile               all" in leader.stdout and other.stdout == ""
 
 
 @pytest.mark.parametrize("extra, message", [

@@ -79,3 +79,37 @@ def test_what_can_never_be_served_is_refused_when_submitted(model):
         scheduler.submit(Request(list(range(3, 20)), 2))
     with pytest.raises(UsageError, match="non-empty prompt"):
         scheduler.submit(Request([], 2))
+
+
+@pytest.mark.parametrize("count", [pytest.param(60, id="60"), pytest.param(2000, id="2000", marks=pytest.mark.slow)])
+def test_a_soak_with_cancellations_loses_nothing_and_leaks_nothing(model, alone, count):
+    """Short requests over the 4 prompts (each prompt's alone-tokens known; 60 in the default suite, 2000 in the slow
+    tier), 4 slots and a pool of 5 pages, so requests queue and get preempted; a third are cancelled — some while
+    waiting, some mid-stream. Every request ends (length or cancelled, none lost), each uncancelled one made exactly
+    its alone tokens (a cancelled one a prefix of them), and the slots and pages are all free again."""
+    import numpy as np
+
+    engine = model.engine(CacheConfig(max_seqs=4, max_context=64, max_step_tokens=16, num_pages=5))
+    scheduler = Scheduler(engine)
+    rng = np.random.default_rng(11)
+    picks = rng.integers(0, len(PROMPTS), count)
+    requests = [Request(PROMPTS[k], NEW[k], id=i) for i, k in enumerate(picks)]
+    doomed = {i for i in range(len(requests)) if rng.random() < 1 / 3}
+    early = [r for r in requests if r.id in doomed and r.id % 2]  # cancelled before any token
+    for request in requests:
+        scheduler.submit(request)
+    for request in early:
+        assert scheduler.cancel(request)
+    for steps, (request, _) in enumerate(scheduler.stream(), 1):
+        assert steps < 100 * count
+        if request.id in doomed and request.finish_reason is None:
+            assert scheduler.cancel(request)  # mid-stream, after its first token
+    assert all(r.finish_reason in ("length", "cancelled") for r in requests)
+    assert {r.id for r in requests if r.finish_reason == "cancelled"} == doomed
+    for request, k in zip(requests, picks):
+        expected = alone[k] if request.id not in doomed else alone[k][:len(request.tokens)]
+        assert request.tokens == expected
+    assert all(len(r.tokens) == 1 for r in requests if r.id in doomed and not r.id % 2 and r.tokens)
+    assert sum(r.preemptions for r in requests) > 0 and not scheduler.cancel(requests[0])
+    assert len(engine.free_slots) == 4 and len(engine.free_pages) == 5
+    assert not scheduler.running and not scheduler.waiting

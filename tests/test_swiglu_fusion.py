@@ -14,6 +14,7 @@ import pytest
 from qcompile.errors import NumericsError
 from qcompile.frontend.checkpoint import Checkpoint
 from qcompile.ir.importer import build_graph
+from qcompile.ir.ops.attention import PagedAttention
 from qcompile.ir.ops.core import Activation, Concat, Linear, LinearSwiglu
 from qcompile.ir.ops.gdn import GdnRecurrence
 from qcompile.ir.ops.moe import GroupedMatmul, GroupedMatmulSwiglu
@@ -285,8 +286,8 @@ def test_not_transformed_when_gate_and_up_differ_or_gate_has_another_user(routed
 
 def test_tpu_export_of_passes_all_holds_one_pallas_kernel_per_moe_and_gdn_layer(tmp_path, capsys):
     """`--passes all --target tpu`: every exported bucket calls the compiled Pallas kernels (Mosaic tpu_custom_calls)
-    once per MoE layer (grouped matmul + SwiGLU) and once per GDN layer (the fused delta rule) — counted in the
-    serialized programs."""
+    once per MoE layer (grouped matmul + SwiGLU), once per GDN layer (the fused delta rule) and once per attention
+    layer (ragged paged attention) — counted in the serialized programs."""
     from jax import export
 
     from conftest import write_small
@@ -301,10 +302,11 @@ def test_tpu_export_of_passes_all_holds_one_pallas_kernel_per_moe_and_gdn_layer(
     graph = build_graph(Checkpoint.open(path))
     moe_layers = len(graph.find(GroupedMatmul)) // 3
     gdn_layers = len(graph.find(GdnRecurrence))
-    assert moe_layers > 0 and gdn_layers > 0
+    attention_layers = len(graph.find(PagedAttention))
+    assert moe_layers > 0 and gdn_layers > 0 and attention_layers > 0
     for bucket in manifest["buckets"]:
         program = export.deserialize(bytearray((out / bucket["file"]).read_bytes())).mlir_module()
-        assert program.count("@tpu_custom_call") == moe_layers + gdn_layers, bucket["file"]
+        assert program.count("@tpu_custom_call") == moe_layers + gdn_layers + attention_layers, bucket["file"]
 
 
 def test_gate_and_up_of_different_widths_are_not_fused():

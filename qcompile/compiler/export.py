@@ -218,7 +218,7 @@ def _mesh_shardings(graph: Graph, with_logits: bool) -> dict:
 
     mesh = graph.meta["mesh"]
     devices = mesh.jax_mesh()
-    named = lambda t: jax.sharding.NamedSharding(devices, mesh.partition_spec(t.sharding))  # noqa: E731
+    named = lambda t: mesh.named_sharding(t, devices)  # noqa: E731
     inputs = {node.op.name: named(node.op.type) for node in graph.find(Input)}
     caches = {name: inputs[name] for name in graph_cache_types(graph)}
     batch = {name: inputs[name] for name in BATCH_INPUTS}

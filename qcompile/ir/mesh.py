@@ -104,6 +104,13 @@ class Mesh:
             entries.append(None if not axes else axes[0] if len(axes) == 1 else axes)
         return PartitionSpec(*entries)
 
+    def named_sharding(self, type_: TensorType, jax_mesh=None):
+        """The jax NamedSharding of a value of `type_` on this mesh (on `jax_mesh`, default `self.jax_mesh()`)."""
+        import jax
+
+        return jax.sharding.NamedSharding(self.jax_mesh() if jax_mesh is None else jax_mesh,
+                                          self.partition_spec(type_.sharding))
+
     def jax_mesh(self, devices=None):
         """A jax.sharding.Mesh of these axes over `devices` (default: jax.devices()) in this mesh's device order."""
         import jax

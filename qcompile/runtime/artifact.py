@@ -71,7 +71,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 from pathlib import Path, PurePosixPath
 
 import attrs
@@ -449,9 +448,11 @@ def _load_weights(root: Path, manifest: dict, entry: dict, cache_types: dict, ve
 def artifact_devices(path) -> int:
     """How many devices an artifact's mesh needs (1 without one); read before JAX starts, so the command line can
     give this host that many CPU devices. Errors are left to load_artifact."""
+    from qcompile.ir.mesh import Mesh
+
     try:
         mesh = json.loads((Path(path) / MANIFEST).read_text()).get("mesh")
-        return int(math.prod(mesh["shape"])) if mesh else 1
+        return Mesh.from_attributes(mesh).size if mesh else 1
     except (OSError, ValueError, TypeError, KeyError, AttributeError):
         return 1
 

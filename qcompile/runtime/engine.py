@@ -35,6 +35,7 @@ from qcompile.ir.types import TensorType, np_dtype
 from qcompile.ir.weights import param_types
 from qcompile.kernels import native
 from qcompile.runtime.distributed import to_host
+from qcompile.runtime.sampling import sample
 from qcompile.runtime.memory import (CompiledBuckets, cache_bytes, compiled_memory, gib, peak_rss, resident,
                                      step_intermediates, weight_bytes)
 
@@ -61,7 +62,7 @@ class MeshPlacement:
         self.cache_types, self.param_types = cache_types, param_types
 
     def _named(self, type_: TensorType):
-        return jax.sharding.NamedSharding(self._devices, self.mesh.partition_spec(type_.sharding))
+        return self.mesh.named_sharding(type_, self._devices)
 
     def place_params(self, params: dict) -> dict:
         """The parameters on the mesh, each with its sharding (unchanged without a mesh)."""
@@ -320,11 +321,18 @@ class Engine:
             return [logits[rows[0]] for rows in outputs["item_rows"]]
         return [logits[rows[0]:rows[-1] + 1] for rows in outputs["item_rows"]]
 
-    def step_tokens(self, work: list[tuple[Sequence, list[int]]]) -> list[int]:
-        """Run one ragged step; returns the greedy next token of each work item (only token ids leave the device)."""
-        outputs = self._run(work, False, False)
-        tokens = to_host(outputs[NEXT_TOKENS])
-        return [int(tokens[rows[0]]) for rows in outputs["item_rows"]]
+    def step_tokens(self, work: list[tuple[Sequence, list[int]]], sampling: list | None = None,
+                    counters: list[int] | None = None) -> list[int]:
+        """Run one ragged step; returns the next token of each work item (only token ids leave the device): greedy,
+        or drawn with sampling[i] (runtime/sampling.py) as the counters[i]-th token of its request."""
+        if sampling is None or all(p.greedy for p in sampling):
+            outputs = self._run(work, False, False)
+            tokens = to_host(outputs[NEXT_TOKENS])
+            return [int(tokens[rows[0]]) for rows in outputs["item_rows"]]
+        outputs = self._run(work, False, True)
+        drawn = sample(outputs[LOGITS], [rows[0] for rows in outputs["item_rows"]], sampling,
+                       counters if counters is not None else [0] * len(work))
+        return [int(t) for t in to_host(drawn)]
 
     def prefill(self, work: list[tuple[Sequence, list[int]]], all_logits: bool = False,
                 with_logits: bool = True) -> list:

@@ -11,13 +11,15 @@ meanwhile; served workloads keep the batch full instead. Policy, per step:
     3. when the plan needs more new pages than are free, preempt the youngest running request — its slot and pages
        go back, and it waits at the head of the queue to be fed again from scratch (prompt + the tokens it already
        made: preemption by recompute, as vLLM does) — and plan again;
-    4. one engine step (greedy on the device; only token ids come back); a request whose last prompt chunk or decode
+    4. one engine step (greedy, or each request's own sampling, on the device; only token ids come back); a request whose last prompt chunk or decode
        token ran gets its next token, and finishes on a stop id or at its max new tokens, freeing its slot and pages.
 
 With data-parallel ranks (engine.ranks > 1) pages are counted per rank: a request is admitted when the rank it
 would go to has the pages, and the request preempted is the youngest on a rank whose plan outgrows its pool.
 
 `Scheduler.stream(requests)` yields `(request, token)` as tokens are made; `run` returns every request finished.
+`cancel(request)` stops a waiting or running request between steps (a client that went away): its slot and pages
+are freed at once and it finishes as "cancelled".
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import attrs
 
 from qcompile.errors import UsageError
 from qcompile.runtime.engine import Engine, Sequence
+from qcompile.runtime.sampling import GREEDY, Sampling
 
 
 @attrs.define(eq=False)
@@ -40,7 +43,7 @@ class Request:
     stop_ids: tuple[int, ...] = ()
     id: object = None
     tokens: list[int] = attrs.Factory(list)
-    finish_reason: str | None = None  # "stop" (a stop id, included in tokens) or "length"
+    finish_reason: str | None = None  # "stop" (a stop id, included in tokens), "length" or "cancelled"
     submitted_at: float | None = None
     first_token_at: float | None = None
     finished_at: float | None = None
@@ -48,6 +51,7 @@ class Request:
     feed: list[int] | None = None  # what must be in the cache before decoding: the prompt (+ made tokens after a
     prefilled: int = 0             # preemption); how much of it is
     preemptions: int = 0
+    sampling: Sampling = GREEDY  # temperature / top-k / top-p / seed (runtime/sampling.py); greedy by default
 
 
 class Scheduler:
@@ -76,6 +80,22 @@ class Scheduler:
                              f"{pool}")
         request.submitted_at = time.perf_counter()
         self.waiting.append(request)
+
+    def cancel(self, request: Request) -> bool:
+        """Stop `request` now, waiting or running: its slot and pages go back to the pool and it finishes as
+        "cancelled" with the tokens it made so far. False when it had finished already (or was never submitted)."""
+        if request.finish_reason is not None:
+            return False
+        if request in self.running:
+            self.engine.release(request.seq)
+            request.seq = None
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        else:
+            return False
+        request.finish_reason, request.finished_at = "cancelled", time.perf_counter()
+        return True
 
     def _new_pages(self, request: Request, tokens: int) -> int:
         """Pages `request` must take from the pool to add `tokens` tokens to its cache."""
@@ -149,7 +169,9 @@ class Scheduler:
         for request, tokens, _ in plan:
             if request.prefilled < len(request.feed):
                 request.prefilled += len(tokens)
-        nexts = self.engine.step_tokens([(request.seq, tokens) for request, tokens, _ in plan])
+        nexts = self.engine.step_tokens([(request.seq, tokens) for request, tokens, _ in plan],
+                                        [request.sampling for request, _, _ in plan],
+                                        [len(request.tokens) for request, _, _ in plan])
         self.steps += 1
         now = time.perf_counter()
         made = []

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 from qcompile.ir.cost import Cost, cost, nbytes
 from qcompile.ir.registry import expect, lowering, op, type_rule
 from qcompile.kernels.paged_attention import kv_cache_write_reference, paged_attention_cpu, paged_attention_reference
+from qcompile.kernels.pallas_paged_attention import paged_attention_tpu
 
 
 @op("rope")
@@ -94,6 +95,13 @@ def _attention(op_, q, k_pages, v_pages, positions, query_start, page_table):
 def _attention_cpu(op_, q, k_pages, v_pages, positions, query_start, page_table):
     """Cost follows each sequence's live context (blocks of keys up to its position, online softmax), not M·ps."""
     return paged_attention_cpu(q, k_pages, v_pages, positions, query_start, page_table, op_.scale)
+
+
+@lowering(PagedAttention, "tpu")
+def _attention_tpu(op_, q, k_pages, v_pages, positions, query_start, page_table):
+    """The Pallas ragged paged attention kernel (kernels/pallas_paged_attention.py): each sequence's live pages only,
+    every sequence of the ragged batch in one call."""
+    return paged_attention_tpu(q, k_pages, v_pages, positions, query_start, page_table, op_.scale)
 
 
 @cost(KvCacheWrite)
