@@ -297,9 +297,12 @@ def _check_output_file(path: Path, flag: str) -> None:
 
 @cli.command("run", context_settings=CONTEXT)
 @click.argument("checkpoint", type=click.Path(path_type=Path))
-@click.option("--prompt-ids", "prompt_ids", required=True, multiple=True,
+@click.option("--prompt-ids", "prompt_ids", multiple=True,
               help="Prompt token ids, comma-separated, e.g. 1,2,3. Give it again for more prompts: they are served "
                    "together, one line (or JSON object) each, in order.")
+@click.option("--prompt", "prompt_texts", multiple=True, metavar="TEXT",
+              help="A text prompt, encoded with the checkpoint's tokenizer.json; the generated text is printed. "
+                   "Give it again for more prompts (instead of --prompt-ids).")
 @click.option("--max-new-tokens", default=16, show_default=True, type=click.IntRange(min=1))
 @click.option("--dtype", type=click.Choice(["f32", "bf16"]), help="Compute dtype (default: the checkpoint's).")
 @click.option("--save-logits", type=click.Path(path_type=Path),
@@ -321,8 +324,8 @@ def _check_output_file(path: Path, flag: str) -> None:
 @click.option("--seed", default=0, show_default=True, type=int,
               help="Sampling seed; prompt i draws with seed + i, so a run is reproducible whatever the batch.")
 @_cluster_options
-def run_cmd(checkpoint, prompt_ids, max_new_tokens, dtype, save_logits, ignore_eos, memory_budget, as_json, mesh_spec,
-            temperature, top_k, top_p, seed, coordinator, num_processes, process_id, join_timeout):
+def run_cmd(checkpoint, prompt_ids, prompt_texts, max_new_tokens, dtype, save_logits, ignore_eos, memory_budget,
+            as_json, mesh_spec, temperature, top_k, top_p, seed, coordinator, num_processes, process_id, join_timeout):
     """Greedy-generate from CHECKPOINT (or a compiled artifact directory) and print the new token ids.
 
     Generation stops after an EOS token (the config's eos_token_id; printed as the last token) or after
@@ -334,9 +337,19 @@ def run_cmd(checkpoint, prompt_ids, max_new_tokens, dtype, save_logits, ignore_e
     from qcompile.ir.abi import CacheConfig
     from qcompile.runtime.model import load_model
 
+    from qcompile.frontend.tokenizer import decode, load_tokenizer
     from qcompile.runtime.sampling import Sampling
 
-    prompts = [_parse_ids(text) for text in prompt_ids]
+    if bool(prompt_ids) == bool(prompt_texts):
+        raise UsageError("give the prompts as --prompt-ids 1,2,3 or as --prompt TEXT (one of the two, repeatable)")
+    tokenizer = None
+    if prompt_texts:
+        tokenizer = load_tokenizer(_tokenizer_dir(checkpoint), "--prompt")
+        prompts = [tokenizer.encode(text).ids for text in prompt_texts]
+        if not all(prompts):
+            raise UsageError("--prompt is empty (it encodes to no tokens)")
+    else:
+        prompts = [_parse_ids(text) for text in prompt_ids]
     sampling = Sampling(temperature, top_k, top_p, seed)  # refused (exit 2) before anything loads
     if not sampling.greedy and save_logits is not None:
         raise UsageError("--save-logits saves a greedy run's prompt logits; drop --temperature")
@@ -410,14 +423,37 @@ def run_cmd(checkpoint, prompt_ids, max_new_tokens, dtype, save_logits, ignore_e
             raise UsageError(f"--save-logits {save_logits}: cannot write it ({err.strerror or err})") from None
     memory = engine.memory(graph) if as_json else None
     for ids, tokens, finish_reason in zip(prompts, result["tokens"], result["finish_reasons"]):
+        text = decode(tokenizer, tokens) if tokenizer is not None else None
         if as_json:
-            click.echo(json.dumps({"prompt_ids": ids, "tokens": tokens, "finish_reason": finish_reason,
+            extra = {"text": text} if text is not None else {}
+            click.echo(json.dumps({"prompt_ids": ids, "tokens": tokens, **extra, "finish_reason": finish_reason,
                                    "eos_token_ids": list(eos_ids), "dtype": graph_dtype, "family": family,
                                    "seconds": {"load": round(loaded - started, 3), "generate": round(done - loaded, 3),
                                                "first_token": round(result["first_token_at"] - started, 3)},
                                    "memory": memory}))
+        elif text is not None:
+            click.echo(text.replace("\n", "\\n"))  # one line per prompt
         else:
             click.echo(",".join(str(t) for t in tokens))
+
+
+def _tokenizer_dir(source: Path) -> Path | None:
+    """Where the tokenizer of a checkpoint or an artifact is: beside config.json; in an artifact, its own directory,
+    its linked checkpoint/ or the checkpoint it was compiled from."""
+    from qcompile.runtime.artifact import is_artifact
+
+    source = Path(source)
+    if not is_artifact(source):
+        return source if source.is_dir() else source.parent
+    candidates = [source, source / "checkpoint"]
+    try:
+        weights = json.loads((source / "manifest.json").read_text()).get("weights", {})
+        if weights.get("checkpoint", {}).get("path"):
+            path = Path(weights["checkpoint"]["path"])
+            candidates.append(path if path.is_dir() else path.parent)
+    except (OSError, ValueError, AttributeError):
+        pass
+    return next((c for c in candidates if (c / "tokenizer.json").is_file()), source)
 
 
 def _sample_prompts(engine, prompts, max_new_tokens, eos_ids, sampling) -> dict:

@@ -27,6 +27,7 @@ import attrs
 import numpy as np
 
 from qcompile.errors import NumericsError, UsageError
+from qcompile.frontend.tokenizer import load_tokenizer
 from qcompile.ir.abi import CacheConfig
 
 
@@ -78,15 +79,7 @@ def read_prompts(path: Path, checkpoint_dir: Path | None, vocab_size: int) -> li
 
 
 def _tokenizer(checkpoint_dir: Path | None, path: Path, number: int):
-    file = None if checkpoint_dir is None else Path(checkpoint_dir) / "tokenizer.json"
-    if file is None or not file.is_file():
-        raise UsageError(f"--prompts {path}:{number}: a text prompt needs the checkpoint's tokenizer.json, which "
-                         f"{checkpoint_dir} does not have; give prompt_ids instead")
-    try:
-        from tokenizers import Tokenizer
-    except ImportError:
-        raise UsageError("text prompts need the tokenizers library: pip install tokenizers") from None
-    return Tokenizer.from_file(str(file))
+    return load_tokenizer(checkpoint_dir, f"--prompts {path}:{number}: a text prompt")
 
 
 def _log_softmax(x: np.ndarray) -> np.ndarray:

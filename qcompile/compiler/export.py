@@ -228,6 +228,19 @@ def _mesh_shardings(graph: Graph, with_logits: bool) -> dict:
     return {"in_shardings": (params, caches, batch), "out_shardings": outputs}
 
 
+def _copy_tokenizer(out: Path, checkpoint) -> dict[str, dict]:
+    """The checkpoint's tokenizer files copied beside the copied weights (so `run --prompt` works on the artifact
+    alone), with their hashes for the manifest; none when the checkpoint has none."""
+    if checkpoint is None:
+        return {}
+    copied = {}
+    for rel, path in checkpoint.files().items():
+        if Path(rel).name in ("tokenizer.json", "tokenizer_config.json") and Path(rel).parent == Path("."):
+            shutil.copyfile(path, out / rel)
+            copied[rel] = {"sha256": sha256_file(out / rel), "bytes": (out / rel).stat().st_size}
+    return copied
+
+
 def _hash_files(paths: dict[str, Path], show: bool) -> dict[str, dict]:
     """{key: {bytes, sha256}} for each file, hashed in parallel (hashing and reading release the GIL)."""
     total = sum(p.stat().st_size for p in paths.values())
@@ -279,6 +292,7 @@ def _write(out: Path, graph: Graph, weights, *, config_json, cache, target, plat
                                          on_bytes=bar.update)
         files[WEIGHTS] = {"sha256": written.sha256, "bytes": written.bytes}
         weights_entry["source"] = "artifact"
+        files.update(_copy_tokenizer(out, weights.checkpoint))
     else:
         # The weights are made at load time from the checkpoint's own files, exactly as `run CHECKPOINT` makes them
         # (canonical names, casts, the recipes below); the files' hashes make tampering with them an exit-65 error.

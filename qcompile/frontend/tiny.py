@@ -33,6 +33,7 @@ from qcompile.errors import UsageError, one_line
 from qcompile.frontend.checkpoint import canonical_params
 from qcompile.frontend.config import parse_config
 from qcompile.frontend.safetensors_io import write_safetensors
+from qcompile.frontend.tokenizer import TOKENIZER_FILE, train_tiny_tokenizer
 
 PRESETS = {
     "tiny": dict(vocab_size=512, hidden_size=96, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
@@ -116,10 +117,18 @@ def _init(name: str, shape: tuple[int, ...], rng: np.random.Generator) -> np.nda
 
 def write_tiny(out_dir: str | Path, family: str = "qwen3_5_moe", preset: str = "tiny", seed: int = 0,
                dtype: str = "f32") -> Path:
-    """Write a preset checkpoint: config.json, generation_config.json and model.safetensors; return the directory."""
+    """Write a preset checkpoint: config.json, generation_config.json, model.safetensors and a small real
+    tokenizer.json (frontend/tokenizer.py: byte-level BPE, at most 512 ids); return the directory."""
     if dtype not in TORCH_DTYPE:
         raise UsageError(f"unknown dtype {dtype!r}; choose f32 or bf16")
-    return write_checkpoint(out_dir, full_config(preset, family, dtype), seed=seed, dtype=dtype)
+    config = full_config(preset, family, dtype)
+    out = write_checkpoint(out_dir, config, seed=seed, dtype=dtype)
+    try:
+        vocab = int(config.get("text_config", config)["vocab_size"])
+        train_tiny_tokenizer(min(vocab, 512)).save(str(out / TOKENIZER_FILE))
+    except OSError as err:
+        raise UsageError(one_line(f"{out}: cannot write the tokenizer ({err.strerror or err})")) from None
+    return out
 
 
 def hub_tensors(config: dict) -> dict[str, tuple[int, ...]]:
