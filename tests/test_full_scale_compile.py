@@ -171,6 +171,7 @@ def _bytes_not_linked(root: Path, checkpoint: Path) -> int:
     return sum(p.stat().st_size for p in root.rglob("*") if p.is_file() and p.stat().st_ino not in inodes)
 
 
+@pytest.mark.slow
 def test_a_sparse_full_width_checkpoint_compiles_in_memory_bounded_by_a_slab(tmp_path):
     """A 3 GB full-width checkpoint (two layers, 32 experts) compiles with --passes all into a copied artifact
     while the compile's peak resident memory stays within what the same compile takes without weights

@@ -275,7 +275,7 @@ def test_reference_and_native_kernel_match_the_oracle(state_dtype):
             _check(fn, rng, case, state_dtype, what, tol)
 
 
-@pytest.mark.parametrize("interpret", ["plain", "tpu"])
+@pytest.mark.parametrize("interpret", [pytest.param("plain", marks=pytest.mark.slow), "tpu"])
 def test_pallas_kernel_matches_the_oracle(interpret):
     """Interpreted plainly and with TPU semantics (pltpu.InterpretParams: uninitialised memory is NaN, so an element
     the kernel forgets to write fails; two cores with race detection over the parallel head axis). Chunks of 8: the

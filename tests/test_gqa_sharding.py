@@ -224,13 +224,13 @@ def test_run_on_a_mesh_gives_the_single_device_tokens(tmp_path, capsys):
 
     path = write_small(tmp_path / "ckpt", "qwen3_next")
     outputs = []
-    for extra in ([], ["--mesh", "4"], ["--mesh", "2x4"]):
+    for extra in ([], ["--mesh", "2x4"]):
         with pytest.raises(SystemExit) as done:
             main(["run", str(path), "--prompt-ids", "1,2,3", "--prompt-ids", "4,5,6,7,8", "--max-new-tokens", "5",
                   "--ignore-eos", *extra])
         assert done.value.code == 0
         outputs.append(capsys.readouterr().out)
-    assert outputs[0] == outputs[1] == outputs[2] and len(outputs[0].splitlines()) == 2
+    assert outputs[0] == outputs[1] and len(outputs[0].splitlines()) == 2
 
 
 def test_a_laid_out_artifact_records_its_mesh_and_runs_like_the_single_device_one(tmp_path, capsys):
@@ -291,6 +291,7 @@ def test_mesh_on_the_command_line(tmp_path, capsys):
 
 
 
+@pytest.mark.slow
 def test_a_numerics_failure_on_the_mesh_writes_a_reproducer_that_replays_it(tmp_path, capsys, monkeypatch):
     import jax.numpy as jnp
 

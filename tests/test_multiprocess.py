@@ -78,6 +78,7 @@ def test_a_laid_out_artifact_runs_and_benches_across_two_processes(tmp_path):
     assert "qcompile               all" in leader.stdout and other.stdout == ""
 
 
+@pytest.mark.slow
 def test_bench_across_two_processes_checks_and_measures(tmp_path):
     path = write_small(tmp_path / "ckpt")
     leader, other = _two_processes("bench", str(path), "--mesh", "2x4", "--concurrency", "4", "--input-len", "8",

@@ -45,7 +45,7 @@ def _error(got, ref, query_start):
     return np.abs(got64[valid] - ref64[valid]).max() / np.abs(ref64[valid]).max()
 
 
-@pytest.mark.parametrize("interpret", ["plain", "tpu"])
+@pytest.mark.parametrize("interpret", [pytest.param("plain", marks=pytest.mark.slow), "tpu"])
 def test_kernel_matches_the_reference_on_random_ragged_batches(interpret):
     from jax.experimental.pallas import tpu as pltpu
 

@@ -296,7 +296,7 @@ def test_tpu_export_of_passes_all_holds_one_pallas_kernel_per_moe_and_gdn_layer(
     path = write_small(tmp_path / "m", family="qwen3_5_moe", seed=6)
     out = tmp_path / "tpu"
     code, _, err = cli(capsys, "--passes", "all", path, "--target", "tpu", "-o", out, "--max-seqs", "2",
-                       "--max-context", "32", "--max-step-tokens", "8")
+                       "--max-context", "32", "--max-step-tokens", "8", "--verify", "none")  # rules: test_target_rules
     assert code == 0, err
     manifest = json.loads((out / "manifest.json").read_text())
     graph = build_graph(Checkpoint.open(path))
