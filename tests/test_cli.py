@@ -75,6 +75,7 @@ def test_run_json_is_machine_readable(tiny_dirs, capsys):
     assert [int(t) for t in plain.strip().split(",")] == result["tokens"]
 
 
+@pytest.mark.slow
 def test_several_prompts_are_served_together_and_each_matches_its_own_run(tiny_dirs, capsys, tmp_path):
     """Two --prompt-ids of different lengths in one batch (shared prefill and decode steps, ragged) give, line by
     line, the tokens each gives alone; on an artifact too, which refuses more prompts than its sequence slots."""

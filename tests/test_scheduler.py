@@ -83,18 +83,24 @@ def test_what_can_never_be_served_is_refused_when_submitted(model):
 
 @pytest.mark.parametrize("count", [pytest.param(40, id="40"), pytest.param(2000, id="2000", marks=pytest.mark.slow)])
 def test_a_soak_with_cancellations_loses_nothing_and_leaks_nothing(model, alone, count):
-    """Short requests over the 4 prompts (each prompt's alone-tokens known; 40 in the default suite, 2000 in the slow
+    """Short requests over 5 prompts (each prompt's alone-tokens known; 40 in the default suite, 2000 in the slow
     tier), 4 slots and a pool of 5 pages, so requests queue and get preempted; a third are cancelled — some while
     waiting, some mid-stream. Every request ends (length or cancelled, none lost), each uncancelled one made exactly
     its alone tokens (a cancelled one a prefix of them), and the slots and pages are all free again."""
     import numpy as np
 
+    # a fifth prompt that starts in one page and grows into a second while it decodes: the first four requests are
+    # it, so four running requests need four new pages with one free, and preemption is certain
+    growing = [(5 * i + 40) % 500 + 3 for i in range(15)]
+    prompts, new = [*PROMPTS, growing], [*NEW, 6]
+    alone = [*alone, model.engine(CacheConfig(max_seqs=1, max_context=64, max_step_tokens=16)).generate(
+        [growing], 6)["tokens"][0]]
     engine = model.engine(CacheConfig(max_seqs=4, max_context=64, max_step_tokens=16, num_pages=5))
     scheduler = Scheduler(engine)
     rng = np.random.default_rng(11)
-    picks = rng.integers(0, len(PROMPTS), count)
-    requests = [Request(PROMPTS[k], NEW[k], id=i) for i, k in enumerate(picks)]
-    doomed = {i for i in range(len(requests)) if rng.random() < 1 / 3}
+    picks = np.concatenate([[4] * 4, rng.integers(0, len(prompts), count - 4)])
+    requests = [Request(prompts[k], new[k], id=i) for i, k in enumerate(picks)]
+    doomed = {i for i in range(4, len(requests)) if rng.random() < 1 / 3}
     early = [r for r in requests if r.id in doomed and r.id % 2]  # cancelled before any token
     for request in requests:
         scheduler.submit(request)

@@ -97,6 +97,7 @@ def test_load_params_reads_recipe_inputs_only(ckpt, split, monkeypatch):
     assert set(reads) == wanted and all(not r.startswith(PREPARED_PREFIX) for r in reads)
 
 
+@pytest.mark.slow
 def test_artifact_stores_prepared_weights_and_run_prepares_nothing(ckpt, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(registry, "PASSES", {"split-linear": toy_passes.GOOD["split-linear"]})
     out = tmp_path / "art"
