@@ -31,6 +31,18 @@ class DefaultGroup(click.Group):
         return super().parse_args(ctx, args)
 
 
+def _size_option(ctx, param, value):
+    """A --memory-budget style size option, parsed to bytes (a usage error, exit 2, when it is not a size)."""
+    if value is None:
+        return None
+    from qcompile.runtime.memory import parse_size
+
+    try:
+        return parse_size(value)
+    except ValueError as err:
+        raise click.BadParameter(str(err)) from None
+
+
 @click.group(cls=DefaultGroup, context_settings=CONTEXT)
 @click.version_option(__version__, prog_name="qcompile")
 def cli():
@@ -41,6 +53,7 @@ def cli():
     qcompile run CHECKPOINT|OUT --prompt-ids 1,2,3           greedy generation (checkpoint or artifact)
     qcompile bench CHECKPOINT|OUT [--compare transformers]    throughput, latency and % of roofline
     qcompile check OUT|CHECKPOINT --prompts FILE             optimized vs unoptimized on your prompts
+    qcompile serve CHECKPOINT|OUT [--port 8000]               OpenAI-compatible HTTP server (continuous batching)
     qcompile passes                                          list the optimization passes
     qcompile reproduce DIR                                   re-run a numerics failure's reproducer
     qcompile init-tiny DIR --family qwen3_5_moe              write a random HF-format checkpoint
@@ -59,7 +72,11 @@ def cli():
               help="Write the artifact here: exported executables, weights, manifest.json, graph.qir, report.json.")
 @click.option("--report", "report_path", type=click.Path(path_type=Path), help="Also write the JSON report here.")
 @click.option("--dtype", type=click.Choice(["f32", "bf16"]), help="Compute dtype (default: the checkpoint's).")
-@click.option("--page-size", default=16, show_default=True, help="KV cache page length in tokens (power of two).")
+@click.option("--page-size", type=int, metavar="N",
+              help="Fix the KV cache page length in tokens (a power of two). Default: the kv-page-resize pass picks "
+                   "the target's (16 on cpu and gpu, 256 on tpu); without that pass, 16.")
+@click.option("--memory-budget", metavar="SIZE", callback=_size_option,
+              help="Memory the model will be given (e.g. 96GiB): kv-page-resize reports the KV capacity it holds.")
 @click.option("--target", type=click.Choice(["cpu", "gpu", "tpu"]), default="cpu", show_default=True,
               help="Platform the artifact is exported for (tpu and gpu artifacts can be built here, not run).")
 @click.option("--verify", type=click.Choice(["each", "final", "none"]), default="each", show_default=True,
@@ -89,9 +106,9 @@ def cli():
                    "devices). On this host qcompile creates that many CPU devices itself.")
 @click.option("--concurrency", type=click.IntRange(min=1), metavar="N",
               help="Expected concurrent sequences, for gqa-sharding's plan choice (default: --max-seqs).")
-def compile_cmd(checkpoint, passes_spec, output, report_path, dtype, page_size, target, verify, verify_layers, seed,
-                print_ir_after, print_ir_after_change, dump_dir, repro_dir, max_seqs, max_context, max_step_tokens,
-                num_pages, weights_mode, mesh_spec, concurrency):
+def compile_cmd(checkpoint, passes_spec, output, report_path, dtype, page_size, memory_budget, target, verify,
+                verify_layers, seed, print_ir_after, print_ir_after_change, dump_dir, repro_dir, max_seqs, max_context,
+                max_step_tokens, num_pages, weights_mode, mesh_spec, concurrency):
     """Load CHECKPOINT, build and verify the step graph, run and check the selected passes, write the artifact."""
     from qcompile.ir.abi import CacheConfig
 
@@ -99,7 +116,8 @@ def compile_cmd(checkpoint, passes_spec, output, report_path, dtype, page_size, 
     # the flag, never a failure (or an artifact that cannot run) minutes later.
     cache = CacheConfig(max_seqs=max_seqs, max_context=max_context, max_step_tokens=max_step_tokens,
                         num_pages=num_pages)
-    _check_page_size(page_size)
+    if page_size is not None:
+        _check_page_size(page_size)
     if verify_layers is not None and verify_layers < 1:
         raise UsageError(f"--verify-layers must be a positive integer, got {verify_layers}")
     if output is not None:
@@ -116,7 +134,7 @@ def compile_cmd(checkpoint, passes_spec, output, report_path, dtype, page_size, 
 
     opts = CompileOptions(
         checkpoint=checkpoint, passes=passes_spec, output=output, report=report_path, dtype=dtype,
-        page_size=page_size, target=target, verify=verify, verify_layers=verify_layers, seed=seed,
+        page_size=page_size, memory_budget=memory_budget, target=target, verify=verify, verify_layers=verify_layers, seed=seed,
         print_ir_after=tuple(print_ir_after), print_ir_after_change=print_ir_after_change, dump_dir=dump_dir,
         repro_dir=repro_dir, cache=cache, weights=weights_mode, mesh=mesh, concurrency=concurrency)
     report = compile_checkpoint(opts, emit=click.echo)
@@ -167,18 +185,6 @@ def _parse_ids(text: str) -> list[int]:
         return [int(part) for part in parts]
     except ValueError:
         raise UsageError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
-
-
-def _size_option(ctx, param, value):
-    """A --memory-budget style size option, parsed to bytes (a usage error, exit 2, when it is not a size)."""
-    if value is None:
-        return None
-    from qcompile.runtime.memory import parse_size
-
-    try:
-        return parse_size(value)
-    except ValueError as err:
-        raise click.BadParameter(str(err)) from None
 
 
 def _setup_mesh(spec: str | None, cluster=None):
@@ -504,7 +510,10 @@ def init_tiny_cmd(directory, family, preset, seed, dtype, sparse, force):
 
 
 @cli.command("bench", context_settings=CONTEXT)
-@click.argument("source", metavar="CHECKPOINT|ARTIFACT", type=click.Path(path_type=Path))
+@click.argument("source", metavar="CHECKPOINT|ARTIFACT", type=click.Path(path_type=Path), required=False)
+@click.option("--url", metavar="URL",
+              help="Measure the server running at URL (qcompile serve; e.g. http://127.0.0.1:8000) instead of "
+                   "CHECKPOINT: the same prompts, arrivals and metrics, through HTTP.")
 @click.option("--workload", type=click.Choice(["prefill-heavy", "decode-heavy"]), default="decode-heavy",
               show_default=True, help="The field's 8K/1K (prefill-heavy) or 1K/8K (decode-heavy) shape, scaled by --scale.")
 @click.option("--scale", default=64, show_default=True, metavar="N",
@@ -534,17 +543,23 @@ def init_tiny_cmd(directory, family, preset, seed, dtype, sparse, force):
               help="Lay the model out on a device mesh (8, 4x2, 2x4) with gqa-sharding; this host gets that many "
                    "CPU devices (simulated: they share its cores).")
 @_cluster_options
-def bench_cmd(source, workload, scale, input_len, output_len, concurrency, num_prompts, request_rate, passes_spec,
-              compare, ablate, dtype, max_step_tokens, verify, seed, memory_budget, json_path, plot_path, mesh_spec,
-              coordinator, num_processes, process_id, join_timeout):
-    """Measure prefill/decode throughput, latency and % of roofline of CHECKPOINT (or an artifact)."""
+def bench_cmd(source, url, workload, scale, input_len, output_len, concurrency, num_prompts, request_rate,
+              passes_spec, compare, ablate, dtype, max_step_tokens, verify, seed, memory_budget, json_path, plot_path,
+              mesh_spec, coordinator, num_processes, process_id, join_timeout):
+    """Measure prefill/decode throughput, latency and % of roofline of CHECKPOINT (or an artifact), or of a running
+    server with --url."""
     from qcompile.compiler.bench import BenchOptions, run_bench
+
+    if (source is None) == (url is None):
+        raise UsageError("give a CHECKPOINT (or artifact) to measure in this process, or --url of a running server")
 
     try:
         levels = tuple(int(part) for part in concurrency.split(","))
     except ValueError:
         raise UsageError(f"--concurrency must be comma-separated integers, got {concurrency!r}") from None
     cluster = _cluster(coordinator, num_processes, process_id, join_timeout)
+    if url is not None and (cluster is not None or mesh_spec is not None):
+        raise UsageError("--coordinator and --mesh do not apply to --url: the server's layout is fixed")
     if cluster is not None:
         from qcompile.runtime.artifact import is_artifact
 
@@ -553,7 +568,7 @@ def bench_cmd(source, workload, scale, input_len, output_len, concurrency, num_p
         if compare:
             raise UsageError("--compare runs transformers in one process; drop it with --coordinator")
     mesh = _setup_mesh(mesh_spec, cluster)
-    if mesh is None:
+    if mesh is None and source is not None:
         _artifact_devices(source, cluster)
     from qcompile.runtime.distributed import is_leader
 
@@ -564,8 +579,131 @@ def bench_cmd(source, workload, scale, input_len, output_len, concurrency, num_p
                         concurrency=levels, num_prompts=num_prompts, passes=passes_spec, compare=tuple(compare),
                         ablate=ablate, json_path=json_path, plot_path=plot_path, seed=seed, dtype=dtype,
                         max_step_tokens=max_step_tokens, verify=verify, memory_budget=memory_budget,
-                        request_rate=request_rate, mesh=mesh)
+                        request_rate=request_rate, mesh=mesh, url=url)
     run_bench(opts, emit=click.echo if leader else lambda *args, **kwargs: None)
+
+
+@cli.command("serve", context_settings=CONTEXT)
+@click.argument("source", metavar="CHECKPOINT|ARTIFACT", type=click.Path(path_type=Path))
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535),
+              help="Port to listen on (0: any free port; the one taken is printed).")
+@click.option("--served-model-name", metavar="NAME", help="The model's name in the API [default: SOURCE's name].")
+@click.option("--passes", "passes_spec", default=None, metavar="SPEC",
+              help="Passes of the served build (checkpoint only) [default: all], checked before serving.")
+@click.option("--dtype", type=click.Choice(["f32", "bf16"]), help="Compute dtype (checkpoint only).")
+@click.option("--max-seqs", type=click.IntRange(min=1), metavar="N",
+              help="Requests served at once (sequence slots; checkpoint only) [default: 8].")
+@click.option("--max-context", type=click.IntRange(min=2), metavar="N",
+              help="Longest prompt + max_tokens of a request (checkpoint only) [default: 2048].")
+@click.option("--num-pages", type=click.IntRange(min=1), metavar="N",
+              help="KV pages in the pool (checkpoint only) [default: enough for every slot at --max-context]; fewer "
+                   "pages serve more sequences of mixed length, preempting when they run out.")
+@click.option("--max-step-tokens", type=click.IntRange(min=1), metavar="N",
+              help="Tokens per engine step (decode tokens + prefill chunks; checkpoint only) [default: 256].")
+@click.option("--memory-budget", metavar="SIZE", callback=_size_option,
+              help="Refuse (exit 2) a cache configuration whose weights + caches + temporaries exceed SIZE.")
+@click.option("--verify", type=click.Choice(["final", "none"]), default="final", show_default=True,
+              help="Check the build against the unoptimized graph before serving (checkpoint only).")
+@click.option("--no-warmup", is_flag=True, help="Compile each shape bucket on first use instead of before serving.")
+@click.option("--mesh", "mesh_spec", metavar="SPEC",
+              help="Lay the model out on a device mesh (8, 4x2) with gqa-sharding (checkpoint only).")
+def serve_cmd(source, host, port, served_model_name, passes_spec, dtype, max_seqs, max_context, num_pages,
+              max_step_tokens, memory_budget, verify, no_warmup, mesh_spec):
+    """Serve CHECKPOINT (or an artifact) over HTTP with OpenAI's completions API (docs/serving.md).
+
+    \b
+    POST /v1/completions   prompt as text or token ids; max_tokens, temperature, top_p, top_k, seed, n, stop,
+                           stop_token_ids, ignore_eos, stream (server-sent events); choices carry token_ids
+    GET  /v1/models        the served model, its max_model_len and vocab_size
+    GET  /health           200 while the engine runs, 503 when it has stopped
+    GET  /metrics          Prometheus: running/waiting requests, KV pages, tokens/s, TTFT and ITL histograms
+
+    Requests are served together by continuous batching (runtime/scheduler.py). Ctrl-C stops the server.
+    """
+    try:
+        import prometheus_client  # noqa: F401
+        import starlette  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as err:
+        raise UsageError(f"qcompile serve needs the serve extra ({err.name} is missing): "
+                         "pip install 'qcompile[serve]'") from None
+    from qcompile.ir.abi import CacheConfig
+    from qcompile.runtime.artifact import is_artifact, load_artifact
+    from qcompile.runtime.scheduler import Scheduler
+    from qcompile.runtime.server import Metrics, ModelInfo, bind, create_app, uvicorn_server
+    from qcompile.runtime.serving import EngineLoop
+
+    artifact = is_artifact(source)
+    if artifact:
+        given = [flag for flag, value in (("--passes", passes_spec), ("--dtype", dtype), ("--max-seqs", max_seqs),
+                                          ("--max-context", max_context), ("--num-pages", num_pages),
+                                          ("--max-step-tokens", max_step_tokens), ("--mesh", mesh_spec))
+                 if value is not None]
+        if given:
+            raise UsageError(f"{', '.join(given)} do not apply to an artifact: its build and cache sizes were fixed "
+                             "when it was compiled")
+    elif not Path(source).exists():
+        raise UsageError(f"{source} does not exist")
+    mesh = _setup_mesh(mesh_spec)
+    sock = bind(host, port)  # before loading: a taken port fails in a second, not after minutes
+    try:
+        if artifact:
+            _artifact_devices(source)
+            art = load_artifact(source)
+            if art.weights_note:
+                click.echo(art.weights_note, err=True)
+            engine = art.engine(memory_budget)
+            eos_ids, vocab = tuple(art.config_json.get("eos_token_ids") or ()), int(art.config_json["vocab_size"])
+        else:
+            from qcompile.compiler.builds import builds_from_checkpoint
+
+            cache = CacheConfig(max_seqs=max_seqs or 8, max_context=max_context or 2048, num_pages=num_pages,
+                                max_step_tokens=max_step_tokens or 256)
+            if mesh is not None and cache.max_seqs % mesh.size:
+                raise UsageError(f"--max-seqs {cache.max_seqs} does not split over the {mesh.size} devices of "
+                                 f"--mesh {mesh_spec}; give a multiple of {mesh.size}")
+            ckpt, _, builds, target = builds_from_checkpoint(
+                source, [passes_spec or "all"], dtype=dtype, mesh=mesh, verify=verify,
+                options=(("concurrency", cache.max_seqs), ("max_context", cache.max_context)),
+                emit=lambda line: click.echo(line, err=True),
+                progress=lambda line: click.echo(f"qcompile: {line}", err=True))
+            ckpt.warn_unknown()
+            from qcompile.runtime.engine import Engine
+
+            engine = Engine(builds[0].graph, builds[0].params, cache, target, memory_budget)
+            eos_ids, vocab = tuple(ckpt.config.eos_token_ids), ckpt.config.vocab_size
+        tokenizer_dir = _tokenizer_dir(source)
+        tokenizer = None
+        if (tokenizer_dir / "tokenizer.json").is_file():
+            from qcompile.frontend.tokenizer import load_tokenizer
+
+            tokenizer = load_tokenizer(tokenizer_dir, "serve")
+        else:
+            click.echo(f"qcompile: no tokenizer.json beside {source}: prompts must be token ids, and choices carry "
+                       "token_ids with empty text", err=True)
+        if not no_warmup:
+            click.echo("qcompile: compiling the step's shape buckets before serving (--no-warmup skips this)",
+                       err=True)
+            engine.compile_all_buckets()
+        name = served_model_name or Path(source).resolve().name
+        info = ModelInfo(name=name, vocab_size=vocab, max_context=engine.cache_cfg.max_context, eos_ids=eos_ids)
+        metrics = Metrics()
+        loop = EngineLoop(Scheduler(engine), metrics.on_state)
+        metrics.on_state(loop.state())
+        loop.start()
+        app = create_app(loop, info, tokenizer, metrics)
+        bound = sock.getsockname()
+        shown = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
+        click.echo(f"qcompile: serving {name} on http://{shown}:{bound[1]} ({engine.cache_cfg.max_seqs} sequences "
+                   f"x {engine.cache_cfg.max_context} tokens, {engine.sizes['P']} KV pages of {engine.page_size}); "
+                   "Ctrl-C stops", err=True)
+        try:
+            uvicorn_server(app, sock).run(sockets=[sock])
+        finally:
+            loop.stop()
+    finally:
+        sock.close()
 
 
 @cli.command("check", context_settings=CONTEXT)

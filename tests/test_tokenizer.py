@@ -90,3 +90,33 @@ def test_an_artifact_keeps_the_tokenizer_and_runs_text_alone(tiny, tmp_path, cap
     shutil.rmtree(source)
     code, out, err = _run(capsys, tmp_path / "art", "--prompt", "A compiler", "--max-new-tokens", "5", "--ignore-eos")
     assert code == 0 and out == want, err
+
+
+def test_text_stream_pieces_add_up_and_stop_strings_cut_before_themselves():
+    """Streaming text (TextStream): the pieces of any id sequence add up to its whole text — multi-byte characters
+    split over byte-level tokens come out whole, never as U+FFFD — and a stop string that spans several tokens ends
+    the text just before it; text that could still begin a stop string is held back, then released when it does not."""
+    from qcompile.frontend.tokenizer import TextStream
+
+    tokenizer = train_tiny_tokenizer(400)
+    text = "Serving café ünïcode 😀 tokens, then a stop marker END and more."
+    ids = tokenizer.encode(text).ids
+    stream = TextStream(tokenizer)
+    pieces = [stream.push(t) for t in ids]
+    assert "".join(pieces) + stream.finish() == text == decode(tokenizer, ids)
+    assert not any("\ufffd" in piece for piece in pieces)
+    assert len([p for p in pieces if p]) > len(ids) // 2  # pieces come as tokens do, not all at the end
+    stop = TextStream(tokenizer, ("marker END",))
+    streamed = "".join(stop.push(t) for t in ids) + stop.finish()
+    assert stop.stopped and streamed == "Serving café ünïcode 😀 tokens, then a stop "
+    held = TextStream(tokenizer, ("stop marker X",))
+    out = [held.push(t) for t in ids]
+    assert not held.stopped and "".join(out) + held.finish() == text
+    # while "stop marker " could still grow into the stop string, it was not sent
+    sent = ""
+    for t, piece in zip(ids, out):
+        sent += piece
+        assert not sent.endswith("stop marker")
+    # special tokens (eos) show no text in a stream
+    eos = TextStream(tokenizer)
+    assert eos.push(2) == "" and eos.finish() == ""

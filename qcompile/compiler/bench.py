@@ -20,12 +20,14 @@ import attrs
 import numpy as np
 
 import qcompile
+from qcompile.compiler.builds import Build, builds_from_checkpoint
 from qcompile.compiler.measure import (SCHEMA_VERSION, Roofline, bench_engine, bench_engine_rate, bench_transformers,
                                        load_transformers, log, make_prompts, measure_ceilings, transformers_available,
                                        workload_shape)
 from qcompile.errors import UsageError
 from qcompile.ir.abi import CacheConfig
 from qcompile.ir.lowering import host_target
+from qcompile.passes.registry import PASSES
 from qcompile.runtime.memory import reset_peak
 
 COMPARE_CHOICES = ("transformers",)
@@ -52,15 +54,7 @@ class BenchOptions:
     memory_budget: int | None = None  # bytes; each engine refuses a cache configuration that would not fit
     request_rate: float | None = None  # requests/s arriving (Poisson) through the scheduler; None: waves
     mesh: object = None  # ir.mesh.Mesh: lay the builds out on it (gqa-sharding); None: one device
-
-
-@attrs.define
-class Build:
-    label: str  # the SPEC it was built from
-    passes: list[str]
-    graph: object
-    check: dict | None
-    params: dict | None = None  # None: the artifact's
+    url: str | None = None  # measure the server there (compiler/bench_http.py) instead of a build in this process
 
 
 def ablation_specs(names: list[str]) -> list[str]:
@@ -97,59 +91,14 @@ def _check_outputs(opts: BenchOptions) -> None:
                              "batching here); measure it without --request-rate")
 
 
-def _builds_from_checkpoint(opts: BenchOptions, emit, context: int):
-    from qcompile.frontend.checkpoint import Checkpoint
-    from qcompile.ir.importer import build_graph
-    from qcompile.ir.weights import fold_weight_preparation, load_params
-    from qcompile.passes.base import PassContext
-    from qcompile.passes.equivalence import EquivalenceChecker
-    from qcompile.passes.manager import run_pipeline
-    from qcompile.passes.registry import PASSES, parse_spec
-
-    ckpt = Checkpoint.open(opts.source)
-    graph = build_graph(ckpt, opts.dtype)
-    if opts.mesh is not None:
-        graph.meta["mesh"] = opts.mesh
-    options = (("concurrency", max(opts.concurrency)), ("max_context", context))
-    specs = ablation_specs(list(PASSES)) if opts.ablate else [opts.passes or "all"]
-    log(f"loading weights of {opts.source}")
-    params = load_params(ckpt, graph)
-    target = host_target()
-    checker = None
-    if opts.verify != "none":
-        log("preparing the numerics check")
-        checker = EquivalenceChecker(graph, params, seed=opts.seed, target=target)
-    builds: dict[tuple[str, ...], Build] = {}
-    for spec in specs:
-        selected = parse_spec(spec)
-        key = tuple(p.name for p in selected)
-        if key in builds:
-            builds[key].label += f" = {spec}"
-            continue
-        result = run_pipeline(graph, selected, PassContext(target=target, options=options), verify_mode=opts.verify,
-                              checker=checker)
-        check = None if result.final_check is None else result.final_check.to_json()
-        folded = fold_weight_preparation(result.graph)
-        build_params = params if folded is graph else load_params(ckpt, folded, loaded=params)
-        builds[key] = Build(spec, list(key), folded, check, build_params)
-        if check is not None:
-            emit(f"build {spec}: passes {', '.join(key) or 'none'}; checked against the unoptimized graph "
-                 f"({target} rules vs reference): max error {check['max_error']:.2e} (bound {check['bound']:.0e})")
-    # Keep only the arrays some build uses: the unoptimized graph's own weights (for the check) that every build
-    # replaced by a prepared layout would otherwise stay resident beside it (bench peaked at 4.0 GiB on the 1.9 GiB
-    # bench preset).
-    del checker
-    used = {id(array) for build in builds.values() for array in build.params.values()}
-    params = {name: array for name, array in params.items() if id(array) in used}
-    return ckpt, params, list(builds.values()), target
-
-
 def run_bench(opts: BenchOptions, emit=print) -> dict:
     """Run the benchmark; returns the report (the --json content)."""
     from qcompile.runtime.artifact import is_artifact
 
     _check_outputs(opts)
     input_len, output_len, shape_note = workload_shape(opts.workload, opts.input_len, opts.output_len, opts.scale)
+    if opts.url is not None:
+        return _bench_server(opts, emit, input_len, output_len, shape_note)
     artifact = is_artifact(opts.source)
     if artifact and (opts.passes is not None or opts.ablate):
         raise UsageError("--passes and --ablate need a checkpoint: an artifact's passes were fixed when it was compiled")
@@ -177,7 +126,10 @@ def run_bench(opts: BenchOptions, emit=print) -> dict:
                              f"concurrency {max(opts.concurrency)} with {input_len}+{output_len} tokens does not fit — "
                              "recompile with larger --max-seqs / --max-context")
     else:
-        ckpt, params, builds, target = _builds_from_checkpoint(opts, emit, input_len + output_len)
+        specs = ablation_specs(list(PASSES)) if opts.ablate else [opts.passes or "all"]
+        ckpt, params, builds, target = builds_from_checkpoint(
+            opts.source, specs, dtype=opts.dtype, mesh=opts.mesh, verify=opts.verify, seed=opts.seed, emit=emit,
+            options=(("concurrency", max(opts.concurrency)), ("max_context", input_len + output_len)))
         vocab, dtype = ckpt.config.vocab_size, builds[0].graph.meta["dtype"]
     setup_seconds = time.perf_counter() - started
     log("measuring the machine's ceilings (copy bandwidth, matmul rate)")
@@ -195,7 +147,9 @@ def run_bench(opts: BenchOptions, emit=print) -> dict:
         "setup_seconds": round(setup_seconds, 3),
         "builds": [{"label": b.label, "passes": b.passes, "check": b.check} for b in builds], "runs": runs}
     hf_model = None
-    try:
+
+    def measure() -> None:
+        nonlocal hf_model
         for concurrency in opts.concurrency:
             num = opts.num_prompts or concurrency
             prompts = make_prompts(num, input_len, vocab, opts.seed)
@@ -229,6 +183,15 @@ def run_bench(opts: BenchOptions, emit=print) -> dict:
                                        lambda: None, model=hf_model)
                 runs.append(m.to_json())
                 _progress(runs[-1])
+
+    return _reported(report, opts, emit, measure)
+
+
+def _reported(report: dict, opts: BenchOptions, emit, measure) -> dict:
+    """Run `measure()` (which appends to report["runs"]); the report is printed and written when it finishes and when
+    it is interrupted (Ctrl-C: what was measured so far)."""
+    try:
+        measure()
     except KeyboardInterrupt:
         report["interrupted"] = True
         emit("interrupted: what was measured so far")
@@ -236,6 +199,32 @@ def run_bench(opts: BenchOptions, emit=print) -> dict:
         raise
     _finish(report, opts, emit)
     return report
+
+
+def _bench_server(opts: BenchOptions, emit, input_len: int, output_len: int, shape_note: str) -> dict:
+    """bench --url: the same prompts, arrivals and metrics against a running server."""
+    from qcompile.compiler.bench_http import bench_url
+
+    given = [flag for flag, value in (("CHECKPOINT", opts.source), ("--passes", opts.passes),
+                                      ("--compare", opts.compare), ("--ablate", opts.ablate), ("--dtype", opts.dtype),
+                                      ("--mesh", opts.mesh), ("--memory-budget", opts.memory_budget)) if value]
+    if given:
+        raise UsageError(f"{', '.join(given)} do not apply to --url: the server's build is fixed (bench it "
+                         "in-process to compare builds)")
+    emit(f"server: {opts.url}")
+    emit(f"workload: {shape_note}; concurrency {', '.join(map(str, opts.concurrency))}; seed {opts.seed}")
+    runs: list[dict] = []
+    report = {"schema_version": SCHEMA_VERSION, "qcompile_version": qcompile.__version__, "command": sys.argv[1:],
+              "source": opts.url, "workload": opts.workload, "shape": shape_note, "input_len": input_len,
+              "output_len": output_len, "request_rate": opts.request_rate, "runs": runs}
+
+    def measure() -> None:
+        for concurrency in opts.concurrency:
+            runs.append(bench_url(opts.url, input_len, output_len, concurrency, opts.num_prompts or concurrency,
+                                  opts.request_rate, opts.seed))
+            _progress(runs[-1])
+
+    return _reported(report, opts, emit, measure)
 
 
 def _hf_dir(ckpt) -> Path:

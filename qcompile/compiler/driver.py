@@ -23,7 +23,7 @@ from qcompile.frontend.checkpoint import Checkpoint
 from qcompile.compiler.summary import summarize
 from qcompile.ir.abi import CacheConfig
 from qcompile.compiler.export import TARGET_RULES
-from qcompile.ir.importer import build_graph, select_layers
+from qcompile.ir.importer import DEFAULT_PAGE_SIZE, build_graph, select_layers
 from qcompile.ir.mesh import Mesh
 from qcompile.ir.lowering import target_rules_used
 from qcompile.ir.weights import fold_weight_preparation, load_params, prepared_names
@@ -42,7 +42,8 @@ class CompileOptions:
     output: Path | None = None
     report: Path | None = None
     dtype: str | None = None
-    page_size: int = 16
+    page_size: int | None = None  # --page-size: fixed by the user (kv-page-resize keeps it); None: the pass picks
+    memory_budget: int | None = None  # --memory-budget: kv-page-resize reports the capacity it holds
     target: str = "cpu"
     verify: str = "each"  # each | final | none
     verify_layers: int | None = None
@@ -55,6 +56,12 @@ class CompileOptions:
     weights: str = "copy"  # copy | link | none (qcompile/runtime/artifact.py)
     mesh: Mesh | None = None  # --mesh: the devices the model is laid out on (ir/mesh.py)
     concurrency: int | None = None  # --concurrency: expected concurrent sequences (gqa-sharding; default max_seqs)
+
+    @property
+    def import_page_size(self) -> int:
+        """The page size the step graph is built with: the user's --page-size, else the importer's default (the
+        kv-page-resize pass then picks the target's)."""
+        return self.page_size if self.page_size is not None else DEFAULT_PAGE_SIZE
 
 
 def memory_bytes() -> int:
@@ -89,7 +96,7 @@ def compile_checkpoint(opts: CompileOptions, emit: Callable[[str], None] = print
                          f"{', '.join(sorted(known - {'all'})) or '(no passes are registered yet)'}")
     ckpt = Checkpoint.open(opts.checkpoint)
     ckpt.warn_unknown()
-    graph = build_graph(ckpt, opts.dtype, opts.page_size)
+    graph = build_graph(ckpt, opts.dtype, opts.import_page_size)
     emit(_model_line(ckpt, graph))
     if opts.output is not None:  # before minutes of passes and checks: the pipeline keeps the weights' bytes
         from qcompile.compiler.export import check_free_space, weight_bytes
@@ -100,7 +107,9 @@ def compile_checkpoint(opts: CompileOptions, emit: Callable[[str], None] = print
         graph.meta["mesh"] = opts.mesh
     ctx = PassContext(target=opts.target, num_devices=opts.mesh.size if opts.mesh else 1,
                       options=(("concurrency", opts.concurrency or opts.cache.max_seqs),
-                               ("max_context", opts.cache.max_context)))
+                               ("max_context", opts.cache.max_context),
+                               *((("page_size", opts.page_size),) if opts.page_size is not None else ()),
+                               *((("memory_budget", opts.memory_budget),) if opts.memory_budget else ())))
     instruments = Instruments(opts.print_ir_after, opts.print_ir_after_change, opts.dump_dir,
                               emit=lambda text: print(text, file=sys.stderr))
     rules = TARGET_RULES[opts.target]
@@ -109,7 +118,7 @@ def compile_checkpoint(opts: CompileOptions, emit: Callable[[str], None] = print
     checked = opts.verify != "none" and (bool(selected) or lowering_checked)
     layers, experts = _check_scope(ckpt, graph, opts, warn) if checked else (None, None)
     check_ckpt = ckpt if experts is None else ckpt.with_experts(experts)
-    check_graph = graph if layers is None else build_graph(check_ckpt, opts.dtype, opts.page_size, layers=layers)
+    check_graph = graph if layers is None else build_graph(check_ckpt, opts.dtype, opts.import_page_size, layers=layers)
     if opts.mesh is not None:
         check_graph.meta["mesh"] = opts.mesh
     checker = None
@@ -121,7 +130,7 @@ def compile_checkpoint(opts: CompileOptions, emit: Callable[[str], None] = print
                   file=sys.stderr, flush=True)
         checker = EquivalenceChecker(check_graph, params, seed=opts.seed,
                                      target=rules if lowering_checked else "reference")
-    settings = {"dtype": graph.meta["dtype"], "page_size": opts.page_size, "verify_layers": layers,
+    settings = {"dtype": graph.meta["dtype"], "page_size": opts.import_page_size, "verify_layers": layers,
                 "verify_experts": experts, "meta": {k: v for k, v in check_graph.meta.items() if k != "mesh"}}
     reproducer = Reproducer(opts.repro_dir or Path("qcompile-repro"), str(opts.checkpoint), settings)
     emit(f"passes ({spec_of(selected)}):" if selected else "passes: none selected"
@@ -212,7 +221,7 @@ def _check_scope(ckpt: Checkpoint, graph, opts: CompileOptions, warn) -> tuple[t
 
     def slice_bytes(experts: int) -> int:
         restricted = ckpt if experts == ckpt.config.num_experts else ckpt.with_experts(experts)
-        return weight_bytes(build_graph(restricted, opts.dtype, opts.page_size, layers=layers))
+        return weight_bytes(build_graph(restricted, opts.dtype, opts.import_page_size, layers=layers))
 
     whole = weight_bytes(graph)
     cfg = ckpt.config

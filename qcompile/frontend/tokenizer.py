@@ -2,7 +2,7 @@
 real tokenizer `init-tiny` writes beside a generated checkpoint.
 
 A Hugging Face checkpoint ships its tokenizer as `tokenizer.json` beside `config.json`; `run --prompt`, `check` and
-(later) `serve` encode text with it and decode the generated ids. A generated checkpoint has random weights, so its
+`serve` encode text with it and decode the generated ids. A generated checkpoint has random weights, so its
 text is nonsense, but the path from text to ids and back is the real one: init-tiny trains a byte-level BPE
 tokenizer on the bundled text below (deterministic: the same file every time), with <pad>, <s>, </s> at the ids the
 generated config uses (0, 1, 2; </s> is its eos_token_id), so the README's first command shows text generation.
@@ -66,9 +66,9 @@ def load_tokenizer(directory: Path | None, what: str):
         raise UsageError(f"{file}: not a tokenizer the tokenizers library can read ({err})") from None
 
 
-def decode(tokenizer, ids: list[int]) -> str:
+def decode(tokenizer, ids: list[int], skip_special: bool = False) -> str:
     """The text of generated ids; an id the tokenizer does not have (a model vocabulary larger than the
-    tokenizer's) shows as <id N>."""
+    tokenizer's) shows as <id N>. `skip_special` drops special tokens (<s>, </s>, ...), as a server's text does."""
     size = tokenizer.get_vocab_size()
     parts, run = [], []
     for token in ids:
@@ -76,9 +76,68 @@ def decode(tokenizer, ids: list[int]) -> str:
             run.append(token)
             continue
         if run:
-            parts.append(tokenizer.decode(run, skip_special_tokens=False))
+            parts.append(tokenizer.decode(run, skip_special_tokens=skip_special))
             run = []
         parts.append(f"<id {token}>")
     if run:
-        parts.append(tokenizer.decode(run, skip_special_tokens=False))
+        parts.append(tokenizer.decode(run, skip_special_tokens=skip_special))
     return "".join(parts)
+
+
+class TextStream:
+    """Generated ids → text, a piece at a time, with stop strings: what a streaming server sends.
+
+    Two things make the text of one more token more than decode([token]): a byte-level BPE token may hold part of a
+    UTF-8 character (its text is U+FFFD until the rest arrives), and a merge may decode differently next to its left
+    neighbour. So each piece is the text of a short window of recent ids minus the text of the window without the
+    new ones (the window moves on once a piece is complete, as vLLM's incremental detokenizer does): linear in the
+    output, not quadratic. Stop strings: text is held back while its end could still be the start of a stop string;
+    when one appears, the text ends just before it and `stopped` is set. Special tokens (eos) show no text.
+    """
+
+    def __init__(self, tokenizer, stops: tuple[str, ...] = ()):
+        self.tokenizer, self.stops = tokenizer, tuple(s for s in stops if s)
+        self.ids: list[int] = []
+        self.text = ""  # everything decoded so far (may run past a stop string)
+        self.sent = 0  # how much of `text` has been handed out
+        self.stopped = False
+        self._prefix = self._read = 0  # window: ids[_prefix:_read] is decoded context, ids[_read:] is pending
+
+    def _decode(self, ids: list[int]) -> str:
+        return decode(self.tokenizer, ids, skip_special=True)
+
+    def push(self, token: int) -> str:
+        """Add one generated id; returns the text that may be sent now ("" while held back or after a stop)."""
+        if self.stopped:
+            return ""
+        self.ids.append(token)
+        before = self._decode(self.ids[self._prefix:self._read])
+        after = self._decode(self.ids[self._prefix:])
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self.text += after[len(before):]
+            self._prefix, self._read = self._read, len(self.ids)
+        return self._release(final=False)
+
+    def finish(self) -> str:
+        """The rest of the text once generation has ended (an incomplete character shows as U+FFFD)."""
+        if not self.stopped and self._read < len(self.ids):
+            before = self._decode(self.ids[self._prefix:self._read])
+            self.text += self._decode(self.ids[self._prefix:])[len(before):]
+            self._prefix = self._read = len(self.ids)
+        return self._release(final=True)
+
+    def _release(self, final: bool) -> str:
+        if self.stopped:
+            return ""
+        longest = max((len(s) for s in self.stops), default=0)
+        hits = [i for i in (self.text.find(s, max(0, self.sent - longest + 1)) for s in self.stops) if i >= 0]
+        if hits:
+            end, self.stopped = min(hits), True
+        elif final:
+            end = len(self.text)
+        else:  # hold back a tail that a stop string could still start with
+            end = len(self.text) - max((k for s in self.stops for k in range(min(len(s) - 1, len(self.text)), 0, -1)
+                                        if self.text.endswith(s[:k])), default=0)
+        piece = self.text[self.sent:max(end, self.sent)]
+        self.sent = max(end, self.sent)
+        return piece

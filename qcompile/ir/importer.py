@@ -32,10 +32,14 @@ T, B, R, P, M, S = "T", "B", "R", "P", "M", "S"
 DTYPE_CHOICES = ("f32", "bf16")
 
 
+#: The KV page length a graph is built with when nobody chose one; the kv-page-resize pass picks the target's.
+DEFAULT_PAGE_SIZE = 16
+
+
 @attrs.frozen
 class ImportOptions:
     dtype: str = "f32"  # compute / weight dtype of the graph
-    page_size: int = 16  # KV cache page length in tokens
+    page_size: int = DEFAULT_PAGE_SIZE  # KV cache page length in tokens
     gdn_mode: str = "auto"  # gdn_recurrence mode: auto | chunked | recurrent
     layers: tuple[int, ...] | None = None  # import only these layers (a checking slice); None = all
 
@@ -186,7 +190,7 @@ def import_graph(cfg: ModelConfig, param_shapes: dict[str, tuple[int, ...]],
     return _Importer(cfg, param_shapes, opts).build()
 
 
-def build_graph(checkpoint: Checkpoint, dtype: str | None = None, page_size: int = 16,
+def build_graph(checkpoint: Checkpoint, dtype: str | None = None, page_size: int = DEFAULT_PAGE_SIZE,
                 gdn_mode: str = "auto", layers: tuple[int, ...] | None = None) -> Graph:
     """The verified, unoptimized step graph of a checkpoint (dtype defaults to the checkpoint's own)."""
     from qcompile.ir.verifier import verify

@@ -20,13 +20,11 @@ from __future__ import annotations
 
 import math
 
-from qcompile.ir.builder import Builder
 from qcompile.ir.graph import Graph
 from qcompile.ir.ops.core import Input
-from qcompile.ir.registry import infer_types
 from qcompile.ir.types import TensorType, np_dtype
 from qcompile.passes.base import Pass, PassContext, PassResult
-from qcompile.passes.rewrite import copy_node, eliminate_dead_nodes
+from qcompile.passes.rewrite import retype_inputs
 
 STATE_SUFFIXES = (".recurrent_state", ".conv_state")
 DRIFT_STEPS = 256
@@ -50,25 +48,7 @@ def run(graph: Graph, ctx: PassContext) -> PassResult:
     if not demote:
         why = "the states are bf16 already" if states else "no recurrent or conv state (no Gated DeltaNet layer)"
         return PassResult(graph, False, {}, skipped=why)
-    builder = Builder()
-    mapping = {}
-    retyped = 0
-    for node in graph.nodes():
-        operands = [mapping[v] for v in node.operands]
-        if isinstance(node.op, Input) and node.op.name in demote:
-            new = builder.input(node.op.name, node.op.type.with_dtype("bf16"))  # its sharding kept
-        elif any(builder.type_of(new) != graph.type_of(old) for new, old in zip(operands, node.operands)):
-            types = infer_types(node.op, [builder.type_of(v) for v in operands])  # re-typed by its type rule
-            new = builder.add_typed(node.op, operands, [t.with_sharding(old.sharding)
-                                                        for t, old in zip(types, node.types)])
-            retyped += 1
-        else:
-            new = copy_node(builder, node, operands)
-        new = new if isinstance(new, tuple) else (new,)
-        mapping.update(zip(node.results, new))
-    for name, value in graph.outputs.items():
-        builder.output(name, mapping[value])
-    new_graph = eliminate_dead_nodes(builder.build(graph.meta))
+    new_graph, retyped = retype_inputs(graph, {name: states[name].with_dtype("bf16") for name in demote})
     before, after = bytes_per_sequence(states), bytes_per_sequence(state_inputs(new_graph))
     stats = {"states": len(demote), "ops": retyped, "state_bytes_per_sequence": f"{before} -> {after}",
              "saved_per_sequence": before - after}

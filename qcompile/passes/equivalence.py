@@ -9,7 +9,9 @@ max |candidate − reference| / max |reference|. A check fails when that exceeds
 NaN or inf where the reference has none, when an output changed shape or dtype, or when a reference output is all
 zeros (such a check could not fail, so it proves nothing). An output whose dtype changed (a cache the bf16-state pass
 demoted) is compared up-cast, and each graph is given the check's caches in its own cache dtypes; a changed shape
-fails. Lossy passes add a drift check: greedy decode steps, teacher-forced with the reference's tokens, comparing
+fails — except KV pages, which are compared as each sequence's logical KV [sequences, max_context, Hkv, hd], so a
+graph with another page size (kv-page-resize) is given the same logical caches in its own pages and compared
+through its own layout's view. Lossy passes add a drift check: greedy decode steps, teacher-forced with the reference's tokens, comparing
 each step's logits and greedy token (`Drift`: the largest logit error, the top-1 agreement, the first step where
 the greedy tokens differ).
 """
@@ -90,6 +92,29 @@ class _Sequences:
         slot = block * (self.cache.max_seqs // self.spread) + index
         first = block * (self.cache.pool_pages(self.page_size) // self.spread) + index * self.pages_per_seq
         return slot, first
+
+    def logical_kv(self, pages):
+        """Each sequence's KV in this layout's pages, [sequences, max_context, Hkv, hd]: the view a cache compares
+        in, whatever the page size (pages no sequence owns are left out)."""
+        ma = isinstance(pages, np.ma.MaskedArray)
+        views = []
+        for seq in range(len(self.lengths)):
+            _, first = self._place(seq)
+            block = pages[first:first + self.pages_per_seq]
+            views.append(block.reshape(-1, *block.shape[2:])[:self.cache.max_context])
+        return (np.ma.stack if ma else np.stack)(views)
+
+    def paged_kv(self, logical: np.ndarray, like_shape: tuple[int, ...], dtype) -> np.ndarray:
+        """The pages of this layout that hold `logical` ([sequences, max_context, Hkv, hd]); the rest are zero."""
+        pages = np.zeros((self.cache.pool_pages(self.page_size), self.page_size, *like_shape[2:]), dtype)
+        span = self.pages_per_seq * self.page_size
+        for seq in range(len(self.lengths)):
+            _, first = self._place(seq)
+            flat = np.zeros((span, *like_shape[2:]), dtype)
+            flat[:self.cache.max_context] = logical[seq]
+            pages[first:first + self.pages_per_seq] = flat.reshape(self.pages_per_seq, self.page_size,
+                                                                   *like_shape[2:])
+        return pages
 
     def pack(self, work: list[tuple[int, list[int]]], num_tokens: int, all_logits: bool = True,
              ranks: int = 1) -> tuple[dict, list[list[int]]]:
@@ -224,7 +249,7 @@ class EquivalenceChecker:
         self.reference, self.params, self.seed, self.target = reference, params, seed, target
         rng = np.random.default_rng(seed)
         vocab = int(reference.meta["vocab_size"])
-        page_size = int(reference.meta["page_size"])
+        page_size = self.page_size = int(reference.meta["page_size"])
         mesh = reference.meta.get("mesh")
         # Sequences spread over every device, so a candidate with any number of data-parallel ranks can run them.
         self.spread = mesh.size if mesh is not None else 1
@@ -248,20 +273,45 @@ class EquivalenceChecker:
         self.reference_outputs = self.outputs(reference, "reference")
 
     def outputs(self, graph: Graph, target: str | None = None) -> dict:
+        """`graph`'s outputs on the check inputs; KV page caches as each sequence's logical KV (`_Sequences.logical_kv`),
+        so graphs with different page sizes compare."""
         target = self.target if target is None else target
         key = (structural_hash(graph), target)
         if key not in self._outputs:
-            ranks = data_parallel_ranks(graph)
-            batch, rows = (self.batch, self.rows) if ranks == 1 else self._pack(self.work, ranks)
-            out = run_graph(graph, self.params, in_cache_dtypes(graph, self.caches), batch, target)
+            ranks, page_size = data_parallel_ranks(graph), int(graph.meta["page_size"])
+            caches = self.caches
+            if page_size != self.page_size:  # another layout: the same logical KV in its own pages
+                mine = self._layout(page_size)
+                caches = {name: mine.paged_kv(self._reference_layout().logical_kv(np.asarray(value)),
+                                              value.shape, np.asarray(value).dtype) if is_kv_pages(name) else value
+                          for name, value in caches.items()}
+            if ranks == 1 and page_size == self.page_size:
+                batch, rows = self.batch, self.rows
+            else:
+                batch, rows = self._pack(self.work, ranks, page_size)
+            out = run_graph(graph, self.params, in_cache_dtypes(graph, caches), batch, target)
+            after = self._layout(page_size, advanced=True)
+            out = {name: after.logical_kv(value) if is_kv_pages(name) else value for name, value in out.items()}
             self._outputs[key] = outputs_by_item(out, rows)
         return self._outputs[key]
 
-    def _pack(self, work, ranks: int):
-        """The check batch (after the warm-up) laid out for `ranks` data-parallel ranks, and its logit rows."""
-        seqs = _Sequences(self.cache, int(self.reference.meta["page_size"]), self.spread)
+    def _layout(self, page_size: int, advanced: bool = False) -> "_Sequences":
+        """The check's sequences in a layout of `page_size` (their lengths after the warm-up, or after the check
+        batch too)."""
+        seqs = _Sequences(self.cache, page_size, self.spread)
         seqs.lengths = list(self._seqs_after_warmup)
-        return seqs.pack(work, self.bucket, ranks=ranks)
+        if advanced:
+            for seq, tokens in self.work:
+                seqs.lengths[seq] += len(tokens)
+        return seqs
+
+    def _reference_layout(self) -> "_Sequences":
+        return self._layout(self.page_size)
+
+    def _pack(self, work, ranks: int, page_size: int | None = None):
+        """The check batch (after the warm-up) laid out for `ranks` data-parallel ranks and pages of `page_size`
+        (default: the reference's), and its logit rows."""
+        return self._layout(self.page_size if page_size is None else page_size).pack(work, self.bucket, ranks=ranks)
 
     def check(self, candidate: Graph, bound: float, against: Graph | None = None) -> CheckResult:
         """Compare `candidate` (target rules) with `against` (target rules; default: the unoptimized reference with
@@ -275,10 +325,10 @@ class EquivalenceChecker:
         base = against or self.reference
         rng = np.random.default_rng(self.seed + 1)
         prompt = rng.integers(3, int(base.meta["vocab_size"]), 8).tolist()
-        page_size = int(base.meta["page_size"])
         cache = CacheConfig(max_seqs=self.spread, max_context=len(prompt) + steps + 1)
         runs = []
         for graph, target in ((base, "reference" if against is None else self.target), (candidate, self.target)):
+            page_size = int(graph.meta["page_size"])  # each graph in its own layout
             seqs = _Sequences(cache, page_size, self.spread)
             seqs.add()
             caches = empty_caches(graph_cache_types(graph), cache.sizes(page_size))
@@ -302,6 +352,10 @@ class EquivalenceChecker:
             elif first is None:
                 first = step
         return Drift(steps + 1, max(errors), float(np.median(errors)), agree / (steps + 1), first)
+
+
+def is_kv_pages(name: str) -> bool:
+    return name.endswith((".k_pages", ".v_pages"))
 
 
 def in_cache_dtypes(graph: Graph, caches: dict) -> dict:

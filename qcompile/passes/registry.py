@@ -14,11 +14,12 @@ from qcompile.passes.bf16_state import BF16_STATE
 from qcompile.passes.gdn_conv_fusion import GDN_CONV_FUSION
 from qcompile.passes.gqa_sharding import GQA_SHARDING
 from qcompile.passes.hierarchical_collectives import HIERARCHICAL_COLLECTIVES
+from qcompile.passes.kv_page_resize import KV_PAGE_RESIZE
 from qcompile.passes.moe_allgather_rs import MOE_ALLGATHER_RS
 from qcompile.passes.swiglu_fusion import SWIGLU_FUSION
 
 PASSES: dict[str, Pass] = {p.name: p for p in (GQA_SHARDING, MOE_ALLGATHER_RS, HIERARCHICAL_COLLECTIVES, SWIGLU_FUSION,
-                                               GDN_CONV_FUSION, BF16_STATE)}
+                                               GDN_CONV_FUSION, BF16_STATE, KV_PAGE_RESIZE)}
 
 
 def parse_spec(spec: str, table: dict[str, Pass] | None = None) -> list[Pass]:

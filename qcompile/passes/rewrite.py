@@ -22,6 +22,7 @@ from qcompile.ir.builder import Builder
 from qcompile.ir.graph import Graph, Node, Value
 from qcompile.ir.ops.core import Input, Param
 from qcompile.passes.base import PassResult
+from qcompile.ir.types import TensorType  # noqa: F401 - in annotations
 
 Rule = Callable[[Builder, Node, list[Value]], "tuple[Value, ...] | Value | None"]
 
@@ -62,6 +63,36 @@ def rebuild(graph: Graph, rule, meta: dict | None = None) -> tuple[Graph, int]:
     for name, value in graph.outputs.items():
         builder.output(name, mapping[value])
     return eliminate_dead_nodes(builder.build(graph.meta if meta is None else meta)), replaced
+
+
+def retype_inputs(graph: Graph, types: dict[str, "TensorType"], evolve_op: Callable | None = None,
+                  meta: dict | None = None) -> tuple[Graph, int]:
+    """`graph` with the named inputs given new types (shardings kept) and every op that (transitively) reads them
+    re-typed by its type rule; `evolve_op(op)` may return a changed op for such a node (e.g. a new attribute that the
+    new type needs), None to keep it. Returns the graph (with `meta` when given) and the number of ops re-typed."""
+    from qcompile.ir.registry import infer_types
+
+    builder = Builder()
+    mapping: dict[Value, Value] = {}
+    retyped = 0
+    for node in graph.nodes():
+        operands = [mapping[v] for v in node.operands]
+        if isinstance(node.op, Input) and node.op.name in types:
+            new = builder.input(node.op.name, types[node.op.name].with_sharding(node.op.type.sharding))
+        elif not isinstance(node.op, (Input, Param)) and any(
+                builder.type_of(new) != graph.type_of(old) for new, old in zip(operands, node.operands)):
+            op_ = (evolve_op(node.op) if evolve_op is not None else None) or node.op
+            inferred = infer_types(op_, [builder.type_of(v) for v in operands])  # re-typed by its type rule
+            new = builder.add_typed(op_, operands, [t.with_sharding(old.sharding)
+                                                    for t, old in zip(inferred, node.types)])
+            retyped += 1
+        else:
+            new = copy_node(builder, node, operands)
+        new = new if isinstance(new, tuple) else (new,)
+        mapping.update(zip(node.results, new))
+    for name, value in graph.outputs.items():
+        builder.output(name, mapping[value])
+    return eliminate_dead_nodes(builder.build(graph.meta if meta is None else meta)), retyped
 
 
 def eliminate_dead_nodes(graph: Graph) -> Graph:

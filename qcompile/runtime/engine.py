@@ -35,7 +35,7 @@ from qcompile.ir.types import TensorType, np_dtype
 from qcompile.ir.weights import param_types
 from qcompile.kernels import native
 from qcompile.runtime.distributed import to_host
-from qcompile.runtime.sampling import sample
+from qcompile.runtime.sampling import sample, warm_sampler
 from qcompile.runtime.memory import (CompiledBuckets, cache_bytes, compiled_memory, gib, peak_rss, resident,
                                      step_intermediates, weight_bytes)
 
@@ -190,15 +190,21 @@ class Engine:
         return self.program.token_bucket(max(self.cache_cfg.max_step_tokens, self.cache_cfg.max_seqs)), \
             self.cache_cfg.max_seqs
 
-    def compile_all_buckets(self) -> None:
+    def compile_all_buckets(self, sampling: bool = False) -> None:
         """Compile, ahead of any step, every bucket a step without prompt logits can use: T = 1, 2, 4, ... up to the
-        largest step, with min(T, max_seqs) logit rows (so a server's first requests do not wait for XLA)."""
+        largest step, with min(T, max_seqs) logit rows (so a server's first requests do not wait for XLA). With
+        `sampling`, also the buckets that return logits and the on-device sampler for each (what a step with a
+        sampled request runs)."""
         tokens, _ = self.largest_step()
         caches = cache_specs(self.program.cache_types, self.sizes)
         t, slots = 1, self.cache_cfg.max_seqs // self.ranks
         while t * self.ranks <= tokens:
-            self.program.executable(self.params, caches, batch_specs(t * self.ranks, self.ranks * min(t, slots),
-                                                                     self.sizes, self.ranks), False)
+            rows = self.ranks * min(t, slots)
+            batch = batch_specs(t * self.ranks, rows, self.sizes, self.ranks)
+            self.program.executable(self.params, caches, batch, False)
+            if sampling:
+                logits = self.program.executable(self.params, caches, batch, True).out_info[LOGITS]
+                warm_sampler(tuple(logits.shape), logits.dtype)
             t *= 2
 
     def check_memory_budget(self, budget: int) -> dict:
@@ -332,7 +338,7 @@ class Engine:
         outputs = self._run(work, False, True)
         drawn = sample(outputs[LOGITS], [rows[0] for rows in outputs["item_rows"]], sampling,
                        counters if counters is not None else [0] * len(work))
-        return [int(t) for t in to_host(drawn)]
+        return [int(t) for t in to_host(drawn)[:len(work)]]
 
     def prefill(self, work: list[tuple[Sequence, list[int]]], all_logits: bool = False,
                 with_logits: bool = True) -> list:

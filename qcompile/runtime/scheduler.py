@@ -67,6 +67,13 @@ class Scheduler:
 
     def submit(self, request: Request) -> None:
         """Queue a request; refuses (exit 2) one that could never be served by this engine."""
+        self.check(request)
+        request.submitted_at = time.perf_counter()
+        self.waiting.append(request)
+
+    def check(self, request: Request) -> None:
+        """Raise UsageError for a request this engine could never serve (reads only static sizes: safe from any
+        thread)."""
         if not request.prompt or request.max_new_tokens < 1:
             raise UsageError("a request needs a non-empty prompt and max_new_tokens >= 1")
         total = len(request.prompt) + request.max_new_tokens
@@ -78,8 +85,6 @@ class Scheduler:
             where = f" of each of {self.engine.ranks} ranks" if self.engine.ranks > 1 else ""
             raise UsageError(f"request {request.id!r} needs {self._pages(request)} KV pages; the pool{where} has "
                              f"{pool}")
-        request.submitted_at = time.perf_counter()
-        self.waiting.append(request)
 
     def cancel(self, request: Request) -> bool:
         """Stop `request` now, waiting or running: its slot and pages go back to the pool and it finishes as

@@ -1,0 +1,108 @@
+"""`qcompile bench --url`: measure a running server (`qcompile serve`, or any OpenAI-compatible completions server
+that returns `token_ids`) with the same metrics as the in-process bench.
+
+The same seeded random prompts as the in-process bench (ids, sent as token ids), arriving at `--request-rate` per
+second (Poisson, seeded; inf: all at once) with at most `--concurrency` in flight; each is a streamed
+/v1/completions request for exactly output_len tokens (ignore_eos, greedy). Times are taken when each server-sent
+event arrives: TTFT from the request's arrival, ITL between events, E2E latency, and output tok/s over the whole run.
+Prefill and decode are not separable through the API (null in the report), and there is no roofline: the client
+does not know the model's graph. Comparing this with the in-process bench at the same concurrency is the HTTP
+server's overhead (docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+from qcompile.compiler.measure import Measurement, arrival_times, log, make_prompts
+from qcompile.errors import UsageError
+
+
+def _client():
+    try:
+        import httpx
+    except ImportError:
+        raise UsageError("bench --url needs httpx: pip install 'qcompile[serve]'") from None
+    return httpx
+
+
+def server_model(url: str) -> dict:
+    """The served model's entry of GET /v1/models (a usage error when nothing answers there)."""
+    httpx = _client()
+    try:
+        response = httpx.get(url.rstrip("/") + "/v1/models", timeout=30)
+        response.raise_for_status()
+        return response.json()["data"][0]
+    except (httpx.HTTPError, ValueError, KeyError, IndexError) as err:
+        raise UsageError(f"--url {url}: no OpenAI-compatible server answers GET /v1/models there ({err})") from None
+
+
+async def _one(client, prompt: list[int], output_len: int, model: str) -> list[float]:
+    """Stream one request; the arrival time of each token's event."""
+    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    times: list[float] = []
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        if response.status_code != 200:
+            detail = (await response.aread()).decode(errors="replace")[:200]
+            raise UsageError(f"the server refused a request: HTTP {response.status_code} {detail}")
+        async for line in response.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            now = time.perf_counter()
+            event = json.loads(line[len("data: "):])
+            if "error" in event:
+                raise UsageError(f"the server failed a request: {event['error'].get('message')}")
+            for choice in event.get("choices", []):
+                ids = choice.get("token_ids")
+                if ids is None:
+                    raise UsageError("the server's choices carry no token_ids; bench --url needs them to count tokens")
+                times.extend([now] * len(ids))
+    return times
+
+
+async def _run(url: str, model: str, prompts: list[list[int]], output_len: int, concurrency: int,
+               arrivals: list[float], m: Measurement) -> None:
+    httpx = _client()
+    gate = asyncio.Semaphore(concurrency)
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+    async with httpx.AsyncClient(base_url=url.rstrip("/"), timeout=None, limits=limits) as client:
+        start = time.perf_counter()
+
+        async def request(prompt: list[int], arrival: float) -> None:
+            await asyncio.sleep(max(0.0, start + arrival - time.perf_counter()))
+            arrived = time.perf_counter()
+            async with gate:
+                times = await _one(client, prompt, output_len, model)
+            if times:
+                m.request(times[0] - arrived, times, arrived)
+
+        try:
+            await asyncio.gather(*(request(p, a) for p, a in zip(prompts, arrivals)))
+        finally:
+            m.duration = time.perf_counter() - start
+
+
+def bench_url(url: str, input_len: int, output_len: int, concurrency: int, num: int, rate: float | None,
+              seed: int) -> dict:
+    """One run at one concurrency against the server at `url`: the in-process bench's run record."""
+    entry = server_model(url)
+    vocab, context = entry.get("vocab_size"), entry.get("max_model_len")
+    if vocab is None:
+        raise UsageError(f"--url {url}: /v1/models does not give vocab_size; bench --url needs it to make prompts")
+    if context is not None and input_len + output_len > context:
+        raise UsageError(f"{input_len}+{output_len} tokens exceed the server's context of {context}")
+    prompts = make_prompts(num, input_len, int(vocab), seed)
+    arrivals = arrival_times(num, float("inf") if rate is None else rate, seed)
+    m = Measurement("qcompile-http", entry["id"], concurrency, input_len, output_len)
+    log(f"{url}: {num} requests at concurrency {concurrency}")
+    try:
+        asyncio.run(_run(url, entry["id"], prompts, output_len, concurrency, arrivals, m))
+    except KeyboardInterrupt:
+        m.complete = False
+        raise
+    except _client().HTTPError as err:
+        raise UsageError(f"--url {url}: {type(err).__name__}: {err}") from None
+    return m.to_json()

@@ -1,0 +1,482 @@
+"""`qcompile serve`: an OpenAI-compatible completions server (Starlette on uvicorn) over the continuous-batching engine.
+
+Endpoints: `POST /v1/completions` (OpenAI's completions API: a prompt as text, token ids, or a list of either;
+max_tokens, temperature, top_p, top_k, seed, n, stop, stop_token_ids, ignore_eos, stream as server-sent events with
+stream_options.include_usage), `GET /v1/models`, `GET /health`, `GET /metrics` (Prometheus text format).
+Every choice carries `token_ids`, the generated ids, so a checkpoint without a tokenizer is fully usable (its `text`
+is ""). Fields follow the OpenAI reference; where it is silent, vLLM's server: `top_k`, `stop_token_ids`,
+`ignore_eos`, `token_ids`, and `max_model_len` in /v1/models. Defaults are OpenAI's (max_tokens 16, temperature 1:
+send temperature 0 for greedy); without a seed a sampled choice draws a fresh one; choice i of a request with a seed
+draws with seed + i.
+
+Errors: a malformed request gets 400 with OpenAI's error object, `param` naming the field (an unknown field too: a
+misspelled option must not be silently ignored); a request that does not fit the context or the page pool gets 400;
+an unknown model 404; a server whose engine stopped 503. A client that disconnects — streaming or not — cancels its
+requests between steps, so their slots and pages go back at once.
+
+The engine runs on its own thread (runtime/serving.py); this module only translates: HTTP ↔ requests, ids ↔ text
+(frontend/tokenizer.py's TextStream, with stop strings) and the metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import socket
+import time
+import uuid
+
+import attrs
+
+from qcompile.errors import UsageError
+from qcompile.frontend.tokenizer import TextStream
+from qcompile.runtime.sampling import Sampling
+from qcompile.runtime.scheduler import Request
+from qcompile.runtime.serving import EngineLoop, LoopState
+
+__all__ = ["BadRequest", "Completion", "Metrics", "ModelInfo", "bind", "create_app", "parse_completion",
+           "uvicorn_server"]
+
+#: OpenAI completion fields this server reads, and the ones it accepts only at their no-op value.
+FIELDS = {"model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "n", "stop", "stop_token_ids",
+          "ignore_eos", "stream", "stream_options", "user"}
+UNSUPPORTED = {"echo": False, "logprobs": None, "best_of": 1, "suffix": None, "presence_penalty": 0,
+               "frequency_penalty": 0, "logit_bias": None}
+
+
+@attrs.frozen
+class ModelInfo:
+    name: str
+    vocab_size: int
+    max_context: int
+    eos_ids: tuple[int, ...]
+    created: int = attrs.Factory(lambda: int(time.time()))
+
+
+class BadRequest(Exception):
+    """A request the server refuses: HTTP `status` with OpenAI's error object naming `param`."""
+
+    def __init__(self, param: str | None, message: str, status: int = 400):
+        super().__init__(message)
+        self.param, self.message, self.status = param, message, status
+
+    def body(self) -> dict:
+        kind = "invalid_request_error" if self.status < 500 else "server_error"
+        code = "model_not_found" if self.status == 404 else None
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": code}}
+
+
+@attrs.frozen
+class Completion:
+    """A parsed completions request: one choice per (prompt, i < n), in that order."""
+
+    prompts: tuple[tuple[int, ...], ...]
+    max_tokens: int
+    n: int
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+    stop: tuple[str, ...]
+    stop_ids: tuple[int, ...]
+    stream: bool
+    include_usage: bool
+
+    def sampling(self, choice: int) -> Sampling:
+        if self.temperature == 0:
+            return Sampling()
+        seed = random.getrandbits(32) if self.seed is None else (self.seed + choice) % 2**32
+        return Sampling(self.temperature, self.top_k, self.top_p, seed)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _number(body: dict, field: str, default, low: float, high: float, low_open: bool = False) -> float:
+    value = body.get(field)
+    if value is None:
+        return default
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or value != value:
+        raise BadRequest(field, f"'{field}' must be a number, got {json.dumps(value)}")
+    if value < low or value > high or (low_open and value == low):
+        where = f"({low}, {high}]" if low_open else f"[{low}, {high}]"
+        raise BadRequest(field, f"'{field}' must be in {where}, got {value}")
+    return float(value)
+
+
+def _integer(body: dict, field: str, default, low: int, high: int | None = None):
+    value = body.get(field)
+    if value is None:
+        return default
+    if not _is_int(value) or value < low or (high is not None and value > high):
+        limit = f">= {low}" if high is None else f"in {low}..{high}"
+        raise BadRequest(field, f"'{field}' must be an integer {limit}, got {json.dumps(value)}")
+    return value
+
+
+def _prompts(body: dict, info: ModelInfo, tokenizer) -> list[list[int]]:
+    prompt = body.get("prompt")
+    if prompt is None:
+        raise BadRequest("prompt", "'prompt' is required: text, a list of token ids, or a list of either")
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt)):
+        prompt = [prompt]
+    if not isinstance(prompt, list) or not prompt:
+        raise BadRequest("prompt", "'prompt' must be text, a non-empty list of token ids, or a list of either")
+    ids: list[list[int]] = []
+    for item in prompt:
+        if isinstance(item, str):
+            if tokenizer is None:
+                raise BadRequest("prompt", "this model has no tokenizer.json: send the prompt as token ids")
+            item = tokenizer.encode(item).ids
+        elif not (isinstance(item, list) and all(_is_int(t) for t in item)):
+            raise BadRequest("prompt", "'prompt' must be text, a list of token ids, or a list of either")
+        if not item:
+            raise BadRequest("prompt", "'prompt' is empty (no tokens)")
+        bad = [t for t in item if not 0 <= t < info.vocab_size]
+        if bad:
+            raise BadRequest("prompt", f"token id {bad[0]} is outside the vocabulary (0..{info.vocab_size - 1})")
+        ids.append(list(item))
+    return ids
+
+
+def parse_completion(body, info: ModelInfo, tokenizer=None) -> Completion:
+    """Validate a /v1/completions body; BadRequest names the first field that is wrong."""
+    if not isinstance(body, dict):
+        raise BadRequest(None, "the request body must be a JSON object")
+    for field in body:
+        if field in UNSUPPORTED:
+            if body[field] not in (UNSUPPORTED[field], None):
+                raise BadRequest(field, f"'{field}' is not supported by this server")
+        elif field not in FIELDS:
+            raise BadRequest(field, f"unknown field '{field}'")
+    model = body.get("model")
+    if model is not None and model != info.name:
+        raise BadRequest("model", f"the model '{model}' does not exist; this server has '{info.name}'", 404)
+    prompts = _prompts(body, info, tokenizer)
+    max_tokens = _integer(body, "max_tokens", 16, 1)
+    longest = max(len(p) for p in prompts)
+    if longest >= info.max_context:
+        raise BadRequest("prompt", f"the prompt has {longest} tokens; this server's context is {info.max_context}")
+    if longest + max_tokens > info.max_context:
+        raise BadRequest("max_tokens", f"prompt ({longest} tokens) + max_tokens ({max_tokens}) exceed this "
+                                       f"server's context of {info.max_context} tokens")
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        stop = [stop]
+    if stop is not None and not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
+        raise BadRequest("stop", "'stop' must be a string or a list of strings")
+    if stop and tokenizer is None:
+        raise BadRequest("stop", "stop strings need the model's tokenizer.json; use stop_token_ids")
+    stop_ids = body.get("stop_token_ids") or []
+    if not (isinstance(stop_ids, list) and all(_is_int(t) and 0 <= t < info.vocab_size for t in stop_ids)):
+        raise BadRequest("stop_token_ids", "'stop_token_ids' must be a list of token ids in the vocabulary")
+    flags = {}
+    for field in ("ignore_eos", "stream"):
+        flags[field] = body.get(field) or False
+        if not isinstance(flags[field], bool):
+            raise BadRequest(field, f"'{field}' must be true or false")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict) or set(options) - {"include_usage"} or \
+            not isinstance(options.get("include_usage", False), bool):
+        raise BadRequest("stream_options", "'stream_options' may only hold include_usage: true|false")
+    if options and not flags["stream"]:
+        raise BadRequest("stream_options", "'stream_options' needs stream: true")
+    eos = () if flags["ignore_eos"] else info.eos_ids
+    seed = body.get("seed")
+    if seed is not None and not _is_int(seed):
+        raise BadRequest("seed", f"'seed' must be an integer, got {json.dumps(seed)}")
+    return Completion(
+        prompts=tuple(tuple(p) for p in prompts), max_tokens=max_tokens, n=_integer(body, "n", 1, 1, 64),
+        temperature=_number(body, "temperature", 1.0, 0, 2), top_p=_number(body, "top_p", 1.0, 0, 1, low_open=True),
+        top_k=max(0, _integer(body, "top_k", 0, -1)),  # vLLM's -1 and OpenAI-less 0 both mean off
+        seed=None if seed is None else seed % 2**32, stop=tuple(stop or ()),
+        stop_ids=tuple(dict.fromkeys([*eos, *stop_ids])), stream=flags["stream"],
+        include_usage=bool(options.get("include_usage")))
+
+
+class Metrics:
+    """The server's Prometheus metrics, in a registry of its own (several servers may share a process)."""
+
+    def __init__(self):
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        self.registry = registry = CollectorRegistry()
+        latency = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+        self.running = Gauge("qcompile_requests_running", "Requests in the running batch", registry=registry)
+        self.waiting = Gauge("qcompile_requests_waiting", "Requests waiting for a slot or pages", registry=registry)
+        self.kv_pages_used = Gauge("qcompile_kv_pages_used", "KV cache pages in use", registry=registry)
+        self.kv_pages_total = Gauge("qcompile_kv_pages_total", "KV cache pages in the pool", registry=registry)
+        self.slots_used = Gauge("qcompile_sequence_slots_used", "GDN state slots in use", registry=registry)
+        self.tokens_per_s = Gauge("qcompile_generation_tokens_per_second",
+                                  "Generated tokens per second over the last 10 s", registry=registry)
+        self.prompt_tokens = Counter("qcompile_prompt_tokens", "Prompt tokens received", registry=registry)
+        self.generation_tokens = Counter("qcompile_generation_tokens", "Tokens generated", registry=registry)
+        self.requests = Counter("qcompile_requests_finished", "Finished choices by reason", ["finish_reason"],
+                                registry=registry)
+        self.ttft = Histogram("qcompile_time_to_first_token_seconds", "Time to first token", buckets=latency,
+                              registry=registry)
+        self.itl = Histogram("qcompile_inter_token_latency_seconds", "Time between tokens of a request",
+                             buckets=latency, registry=registry)
+        self.e2e = Histogram("qcompile_e2e_request_latency_seconds", "Arrival to last token", buckets=latency,
+                             registry=registry)
+
+    def on_state(self, state: LoopState) -> None:
+        self.running.set(state.running)
+        self.waiting.set(state.waiting)
+        self.kv_pages_used.set(state.kv_pages_used)
+        self.kv_pages_total.set(state.kv_pages_total)
+        self.slots_used.set(state.slots_used)
+        self.tokens_per_s.set(state.tokens_per_s)
+
+    def exposition(self) -> bytes:
+        from prometheus_client import generate_latest
+
+        return generate_latest(self.registry)
+
+
+FINISH = {"stop": "stop", "length": "length", "cancelled": "abort"}
+
+
+@attrs.define(eq=False)
+class _Choice:
+    index: int
+    request: Request
+    text: TextStream | None
+    arrived: float
+    token_ids: list[int] = attrs.Factory(list)
+    last_token_at: float | None = None
+    finish_reason: str | None = None
+
+
+class _Completions:
+    """One /v1/completions request: its choices in the engine, their events back on the event loop."""
+
+    def __init__(self, app_state, completion: Completion):
+        self.state, self.completion = app_state, completion
+        self.id, self.created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        self.events: asyncio.Queue = asyncio.Queue()
+        aloop, now = asyncio.get_running_loop(), time.perf_counter()
+        tokenizer = app_state.tokenizer
+        self.choices: list[_Choice] = []
+        for prompt in completion.prompts:
+            for _ in range(completion.n):
+                index = len(self.choices)
+                request = Request(list(prompt), completion.max_tokens, stop_ids=completion.stop_ids,
+                                  id=f"{self.id}-{index}", sampling=completion.sampling(index))
+                stream = TextStream(tokenizer, completion.stop) if tokenizer is not None else None
+                self.choices.append(_Choice(index, request, stream, now))
+
+        def post(*event):
+            try:
+                aloop.call_soon_threadsafe(self.events.put_nowait, event)
+            except RuntimeError:  # the event loop has closed (server shutting down)
+                pass
+
+        self._post = post
+
+    def start(self) -> None:
+        metrics = self.state.metrics
+        for choice in self.choices:
+            self.state.loop.check(choice.request)  # before any is queued: all or nothing
+        for choice in self.choices:
+            metrics.prompt_tokens.inc(len(choice.request.prompt))
+            self.state.loop.submit(choice.request,
+                                   lambda r, t, i=choice.index: self._post("token", i, t, time.perf_counter()),
+                                   lambda r, i=choice.index: self._post("finish", i, r.finish_reason,
+                                                                        time.perf_counter()))
+
+    def cancel_unfinished(self) -> None:
+        for choice in self.choices:
+            if choice.finish_reason is None:
+                self.state.loop.cancel(choice.request)
+
+    async def pieces(self):
+        """(choice, text, new ids, finish_reason or None) as the engine makes tokens, until every choice ended."""
+        metrics, open_ = self.state.metrics, len(self.choices)
+        while open_:
+            kind, index, value, at = await self.events.get()
+            choice = self.choices[index]
+            if choice.finish_reason is not None:
+                continue  # ended by a stop string; the engine's own finish comes after
+            if kind == "token":
+                metrics.generation_tokens.inc()
+                if choice.last_token_at is None:
+                    metrics.ttft.observe(at - choice.arrived)
+                else:
+                    metrics.itl.observe(at - choice.last_token_at)
+                choice.last_token_at = at
+                choice.token_ids.append(value)
+                piece = choice.text.push(value) if choice.text is not None else ""
+                if choice.text is not None and choice.text.stopped:
+                    self.state.loop.cancel(choice.request)
+                    reason = "stop"
+                else:
+                    yield choice, piece, [value], None
+                    continue
+            else:
+                if value == "error":
+                    error = self.state.loop.error
+                    raise BadRequest(None, f"the engine failed: {type(error).__name__}: {error}", 500)
+                piece = choice.text.finish() if choice.text is not None else ""
+                reason = "stop" if choice.text is not None and choice.text.stopped else FINISH.get(value, value)
+                value = None
+            choice.finish_reason = reason
+            metrics.requests.labels(reason).inc()
+            metrics.e2e.observe(at - choice.arrived)
+            open_ -= 1
+            yield choice, piece, [value] if value is not None else [], reason
+
+    def usage(self) -> dict:
+        prompt = sum(len(c.request.prompt) for c in self.choices)
+        made = sum(len(c.token_ids) for c in self.choices)
+        return {"prompt_tokens": prompt, "completion_tokens": made, "total_tokens": prompt + made}
+
+    def envelope(self, choices: list[dict]) -> dict:
+        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.state.info.name,
+                "choices": choices}
+
+    @staticmethod
+    def choice_json(index: int, text: str, token_ids: list[int], finish_reason: str | None) -> dict:
+        return {"index": index, "text": text, "token_ids": token_ids, "logprobs": None,
+                "finish_reason": finish_reason}
+
+
+@attrs.define
+class _AppState:
+    loop: EngineLoop
+    info: ModelInfo
+    tokenizer: object
+    metrics: Metrics
+
+
+async def _disconnected(receive) -> None:
+    """Returns when the client has gone (the request body was read already, so the next message is the disconnect)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+def create_app(loop: EngineLoop, info: ModelInfo, tokenizer=None, metrics: Metrics | None = None):
+    """The ASGI application; `loop` must be started (and stopped) by the caller. Pass the Metrics whose `on_state`
+    the loop reports to."""
+    from starlette.applications import Starlette
+    from starlette.requests import Request as HttpRequest
+    from starlette.responses import JSONResponse, Response, StreamingResponse
+    from starlette.routing import Route
+
+    state = _AppState(loop, info, tokenizer, metrics or Metrics())
+
+    def error(err: BadRequest) -> JSONResponse:
+        return JSONResponse(err.body(), status_code=err.status)
+
+    async def health(_request):
+        if loop.alive:
+            return JSONResponse({"status": "ok"})
+        why = f"{type(loop.error).__name__}: {loop.error}" if loop.error else "the engine is not running"
+        return JSONResponse({"status": "error", "error": why}, status_code=503)
+
+    async def models(_request):
+        return JSONResponse({"object": "list", "data": [
+            {"id": info.name, "object": "model", "created": info.created, "owned_by": "qcompile",
+             "max_model_len": info.max_context, "vocab_size": info.vocab_size}]})
+
+    async def prometheus(_request):
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        return Response(state.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+    async def completions(http: HttpRequest):
+        try:
+            raw = await http.body()
+            try:
+                body = json.loads(raw)
+            except ValueError:
+                raise BadRequest(None, "the request body is not valid JSON") from None
+            completion = parse_completion(body, info, tokenizer)
+            if not loop.alive:
+                raise BadRequest(None, "the engine is not running", 503)
+            job = _Completions(state, completion)
+            try:
+                job.start()
+            except UsageError as err:  # pages: the pool could never hold it
+                raise BadRequest("max_tokens", str(err)) from None
+        except BadRequest as err:
+            return error(err)
+        if completion.stream:
+            return StreamingResponse(_stream(job), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        collect = asyncio.ensure_future(_collect(job))
+        gone = asyncio.ensure_future(_disconnected(http.receive))
+        try:
+            await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not collect.done():  # the client went away: free its slots and pages now
+                collect.cancel()
+                job.cancel_unfinished()
+        if not collect.done() or collect.cancelled():
+            return Response(status_code=499)
+        try:
+            return JSONResponse(collect.result())
+        except BadRequest as err:
+            return error(err)
+
+    async def _collect(job: _Completions) -> dict:
+        texts = {c.index: [] for c in job.choices}
+        async for choice, piece, _, _ in job.pieces():
+            texts[choice.index].append(piece)
+        return {**job.envelope([job.choice_json(c.index, "".join(texts[c.index]), c.token_ids, c.finish_reason)
+                                for c in job.choices]), "usage": job.usage()}
+
+    async def _stream(job: _Completions):
+        try:
+            async for choice, piece, ids, reason in job.pieces():
+                chunk = job.envelope([job.choice_json(choice.index, piece, ids, reason)])
+                if job.completion.include_usage:
+                    chunk["usage"] = None
+                yield f"data: {json.dumps(chunk)}\n\n"
+            if job.completion.include_usage:
+                yield f"data: {json.dumps({**job.envelope([]), 'usage': job.usage()})}\n\n"
+            yield "data: [DONE]\n\n"
+        except BadRequest as err:
+            yield f"data: {json.dumps(err.body())}\n\n"
+        finally:  # normal end, or the client disconnected (this generator is closed or cancelled)
+            job.cancel_unfinished()
+
+    return Starlette(routes=[Route("/health", health), Route("/v1/models", models), Route("/metrics", prometheus),
+                             Route("/v1/completions", completions, methods=["POST"])])
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket on host:port (port 0: any free port); a usage error when it cannot be had."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    except socket.gaierror as err:
+        raise UsageError(f"--host {host}: not an address this machine can listen on ({err.strerror})") from None
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as err:
+        sock.close()
+        raise UsageError(f"cannot listen on {host}:{port} ({err.strerror or err}); pick another --port") from None
+    sock.listen(2048)
+    return sock
+
+
+def uvicorn_server(app, sock: socket.socket):
+    """A uvicorn server for `app` on a bound socket (run it with `.run(sockets=[sock])`; stop: `.should_exit`).
+    Ctrl-C or SIGTERM stops it gracefully and `run` returns (uvicorn would raise the signal again afterwards, making
+    a normal stop look like a crash); a second Ctrl-C stops it at once."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            if self.should_exit:
+                self.force_exit = True
+            self.should_exit = True
+
+    host, port = sock.getsockname()[:2]
+    return Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, lifespan="off",
+                                 timeout_graceful_shutdown=5))

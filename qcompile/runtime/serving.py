@@ -1,0 +1,198 @@
+"""The engine on a thread of its own, for a server: requests come in from any thread (the HTTP event loop), the
+continuous-batching scheduler steps on this one, and every token goes to its request's listener as it is made.
+
+Why a thread: an engine step is a blocking JAX call (milliseconds to seconds); meanwhile the HTTP event loop must
+keep accepting requests, streaming tokens and noticing clients that went away. Only this thread touches the
+scheduler and the engine. Other threads talk to it through a command queue (submit, cancel) that is applied between
+steps, so a cancelled request's slot and pages are back in the pool before the next step is planned. Listeners are
+called on this thread: they must only hand the event on (e.g. `loop.call_soon_threadsafe`), never block.
+
+If a step fails, every request in flight finishes with reason "error" (its listener is told), the loop stops, and
+`error` says why; a server then answers /health with 503.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+
+import attrs
+
+from qcompile.runtime.scheduler import Request, Scheduler
+
+__all__ = ["EngineLoop", "LoopState"]
+
+
+@attrs.define(eq=False)
+class _Job:
+    request: Request
+    on_token: Callable[[Request, int], None]
+    on_finish: Callable[[Request], None]
+
+
+@attrs.frozen
+class LoopState:
+    """What the loop looks like after a step (for metrics): request counts and pages in use."""
+
+    running: int
+    waiting: int
+    kv_pages_used: int
+    kv_pages_total: int
+    slots_used: int
+    slots_total: int
+    tokens_per_s: float  # generated tokens per second over the last `window` seconds
+    step_seconds: float | None  # the last step's wall time (None before the first)
+
+
+class EngineLoop:
+    """Runs `scheduler` on a daemon thread; `submit` and `cancel` are safe from any thread.
+
+    `on_state(LoopState)` (optional) is called on the engine thread after every step and after commands change the
+    pool, e.g. to set metrics gauges.
+    """
+
+    def __init__(self, scheduler: Scheduler, on_state: Callable[[LoopState], None] | None = None,
+                 window: float = 10.0):
+        self.scheduler = scheduler
+        self.on_state = on_state
+        self.window = window
+        self.error: BaseException | None = None
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._jobs: dict[Request, _Job] = {}
+        self._stopping = False
+        self._made: deque[tuple[float, int]] = deque()  # (time, tokens made by that step) within the window
+        self._last_step: float | None = None
+        self._thread = threading.Thread(target=self._main, name="qcompile-engine", daemon=True)
+
+    # -- any thread --------------------------------------------------------------------------------------------------
+
+    def start(self) -> "EngineLoop":
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Finish the current step, cancel whatever is still in flight and end the thread."""
+        self._stopping = True
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    def check(self, request: Request) -> None:
+        """Raise UsageError now, in the caller's thread, for a request this engine could never serve."""
+        self.scheduler.check(request)
+
+    def submit(self, request: Request, on_token: Callable[[Request, int], None],
+               on_finish: Callable[[Request], None]) -> None:
+        """Queue `request`; `on_token(request, token)` for every token, then `on_finish(request)` once (its
+        finish_reason set: stop, length, cancelled or error)."""
+        self.check(request)
+        if self._stopping or not self._thread.is_alive():
+            request.finish_reason = "error" if self.error is not None else "cancelled"
+            on_finish(request)
+            return
+        self._commands.put(("submit", _Job(request, on_token, on_finish)))
+        self._wake.set()
+
+    def cancel(self, request: Request) -> None:
+        """Stop `request` (a client that went away); its listener gets on_finish with reason "cancelled" unless it
+        finished first. Idempotent."""
+        self._commands.put(("cancel", request))
+        self._wake.set()
+
+    # -- the engine thread -------------------------------------------------------------------------------------------
+
+    def _apply(self) -> bool:
+        changed = False
+        while True:
+            try:
+                kind, item = self._commands.get_nowait()
+            except queue.Empty:
+                return changed
+            changed = True
+            if kind == "submit":
+                if self._stopping:
+                    item.request.finish_reason = "cancelled"
+                    item.on_finish(item.request)
+                    continue
+                self._jobs[item.request] = item
+                self.scheduler.submit(item.request)
+            elif kind == "cancel" and self.scheduler.cancel(item):
+                self._finish(item)
+
+    def _finish(self, request: Request) -> None:
+        job = self._jobs.pop(request, None)
+        if job is not None:
+            job.on_finish(request)
+
+    def state(self) -> LoopState:
+        engine, now = self.scheduler.engine, time.perf_counter()
+        while self._made and self._made[0][0] < now - self.window:
+            self._made.popleft()
+        span = min(self.window, now - self._made[0][0]) if self._made else 0.0
+        made = sum(count for _, count in self._made)
+        total_pages, total_slots = engine.sizes["P"], engine.cache_cfg.max_seqs
+        return LoopState(running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
+                         kv_pages_used=total_pages - sum(map(len, engine.free_pages_by_rank)),
+                         kv_pages_total=total_pages,
+                         slots_used=total_slots - sum(map(len, engine.free_slots_by_rank)), slots_total=total_slots,
+                         tokens_per_s=made / span if span > 0 else 0.0, step_seconds=self._last_step)
+
+    def _report(self) -> None:
+        if self.on_state is not None:
+            self.on_state(self.state())
+
+    def _main(self) -> None:
+        scheduler = self.scheduler
+        try:
+            while not self._stopping:
+                if self._apply():
+                    self._report()
+                if not (scheduler.waiting or scheduler.running):
+                    self._wake.wait(1.0)
+                    self._wake.clear()
+                    continue
+                started = time.perf_counter()
+                made = scheduler.step()
+                now = time.perf_counter()
+                self._last_step = now - started
+                if made:
+                    self._made.append((now, len(made)))
+                for request, token in made:
+                    job = self._jobs.get(request)
+                    if job is not None:
+                        job.on_token(request, token)
+                    if request.finish_reason is not None:
+                        self._finish(request)
+                self._report()
+        except BaseException as err:  # noqa: BLE001 - reported through .error and every listener
+            self.error = err
+        finally:
+            self._apply_stopped()
+
+    def _apply_stopped(self) -> None:
+        """The loop is over: every request still queued or in flight finishes (cancelled, or error after a failure)."""
+        self._stopping = True
+        reason = "error" if self.error is not None else "cancelled"
+        while True:
+            try:
+                kind, item = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "submit":
+                self._jobs[item.request] = item
+        for request in list(self._jobs):
+            if request.finish_reason is None:
+                try:
+                    self.scheduler.cancel(request)
+                except Exception:  # noqa: BLE001 - the engine may be what failed
+                    pass
+                request.finish_reason = reason
+            self._finish(request)

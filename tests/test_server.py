@@ -1,0 +1,331 @@
+"""`qcompile serve`: OpenAI's completions API over the continuous-batching engine, on a real uvicorn server on
+127.0.0.1 (a thread of this process; one test starts the command itself).
+
+What must hold: concurrent requests of different lengths get exactly the greedy tokens each gets alone, also under
+preemption in a deliberately small page pool; streaming sends the same tokens and text as a plain request; stop
+strings cut the text before them; a client that goes away — streaming or not — gets its slot and pages freed; bad
+requests get 400 (404 for an unknown model) with an error naming the field; /health, /v1/models, /metrics answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("starlette")
+pytest.importorskip("uvicorn")
+httpx = pytest.importorskip("httpx")
+
+from qcompile.frontend.tokenizer import TOKENIZER_FILE, train_tiny_tokenizer  # noqa: E402
+from qcompile.ir.abi import CacheConfig  # noqa: E402
+from qcompile.runtime.scheduler import Scheduler  # noqa: E402
+from qcompile.runtime.server import (BadRequest, Metrics, ModelInfo, bind, create_app, parse_completion,  # noqa: E402
+                                     uvicorn_server)
+from qcompile.runtime.serving import EngineLoop  # noqa: E402
+
+PROMPTS = [[3, 17, 42, 9, 250], [(7 * i + 5) % 500 + 3 for i in range(23)], [11, 12], [400, 3, 99, 7, 7, 7, 2],
+           [(11 * i + 1) % 480 + 9 for i in range(14)]]
+NEW = [6, 3, 9, 4, 18]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory, qc_model):
+    from conftest import write_small
+
+    path = write_small(tmp_path_factory.mktemp("serve") / "m", seed=5)
+    train_tiny_tokenizer(512).save(str(path / TOKENIZER_FILE))
+    return qc_model(path)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model):
+    from qcompile.frontend.tokenizer import load_tokenizer
+
+    return load_tokenizer(model.checkpoint.path, "test")
+
+
+@pytest.fixture(scope="module")
+def alone(model):
+    """Each prompt's greedy tokens, generated on its own by the engine."""
+    engine = model.engine(CacheConfig(max_seqs=1, max_context=64, max_step_tokens=8))
+    return [engine.generate([p], n)["tokens"][0] for p, n in zip(PROMPTS, NEW)]
+
+
+class Server:
+    """A uvicorn server on 127.0.0.1 (any free port) over an engine loop, in a thread of this process."""
+
+    def __init__(self, engine, tokenizer, eos_ids=()):
+        self.engine = engine
+        self.metrics = Metrics()
+        self.loop = EngineLoop(Scheduler(engine), self.metrics.on_state).start()
+        self.info = ModelInfo("small", 512, engine.cache_cfg.max_context, tuple(eos_ids))
+        app = create_app(self.loop, self.info, tokenizer, self.metrics)
+        sock = bind("127.0.0.1", 0)
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        self.server = uvicorn_server(app, sock)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.02)
+
+    def close(self):
+        self.server.should_exit = True
+        self.thread.join(15)
+        self.loop.stop()
+
+    def pool_full(self) -> bool:
+        state = self.loop.state()
+        return state.kv_pages_used == 0 and state.slots_used == 0 and state.running == state.waiting == 0
+
+    def wait_pool_full(self, seconds: float = 30) -> None:
+        deadline = time.monotonic() + seconds
+        while not self.pool_full():
+            assert time.monotonic() < deadline, f"pages or slots still held: {self.loop.state()}"
+            time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def server(model, tokenizer):
+    """Three slots and 5 pages of 16 tokens: the five prompts queue for slots, and their decodes outgrow the pool."""
+    srv = Server(model.engine(CacheConfig(max_seqs=3, max_context=48, num_pages=5, max_step_tokens=8)), tokenizer)
+    yield srv
+    srv.close()
+
+
+async def _post_all(url, bodies):
+    async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+        responses = await asyncio.gather(*(client.post("/v1/completions", json=b) for b in bodies))
+    return responses
+
+
+def _sse(text: str) -> list:
+    events = [line[len("data: "):] for line in text.split("\n") if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+def test_concurrent_requests_get_their_own_greedy_tokens_even_when_preempted(server, alone):
+    bodies = [{"prompt": p, "max_tokens": n, "temperature": 0} for p, n in zip(PROMPTS, NEW)]
+    responses = asyncio.run(_post_all(server.url, bodies))
+    assert [r.status_code for r in responses] == [200] * len(PROMPTS)
+    got = [r.json()["choices"][0] for r in responses]
+    assert [c["token_ids"] for c in got] == alone
+    assert all(c["finish_reason"] == "length" for c in got)
+    usage = responses[1].json()["usage"]
+    assert usage == {"prompt_tokens": 23, "completion_tokens": 3, "total_tokens": 26}
+    server.wait_pool_full()
+    metrics = httpx.get(server.url + "/metrics").text
+    # the five requests did not fit three slots and five pages at once: some waited, some were preempted, and the
+    # histograms saw every request and every gap between tokens
+    assert re.search(r"^qcompile_time_to_first_token_seconds_count (\d+)", metrics, re.M)
+    assert float(re.search(r"^qcompile_inter_token_latency_seconds_count (\S+)", metrics, re.M).group(1)) >= \
+        sum(n - 1 for n in NEW)
+    assert float(re.search(r'^qcompile_requests_finished_total\{finish_reason="length"\} (\S+)', metrics,
+                           re.M).group(1)) >= len(PROMPTS)
+    assert re.search(r"^qcompile_kv_pages_used 0\.0$", metrics, re.M)
+    assert re.search(r"^qcompile_kv_pages_total 5\.0$", metrics, re.M)
+
+
+def test_streaming_sends_the_same_tokens_and_text_with_usage_last(server, alone, tokenizer):
+    body = {"prompt": PROMPTS[4], "max_tokens": NEW[4], "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as response:
+        assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
+        chunks = _sse(response.read().decode())
+    *tokens, last, usage = chunks
+    assert [c["choices"][0]["token_ids"] for c in tokens] == [[t] for t in alone[4]]
+    assert last["choices"][0]["finish_reason"] == "length" and usage["choices"] == []
+    assert usage["usage"]["completion_tokens"] == NEW[4]
+    text = "".join(c["choices"][0]["text"] for c in [*tokens, last])
+    plain = httpx.post(server.url + "/v1/completions", json={**body, "stream": False, "stream_options": None},
+                       timeout=60).json()["choices"][0]
+    assert text == plain["text"] == tokenizer.decode(alone[4], skip_special_tokens=True)
+
+
+def test_text_prompts_and_stop_strings(server, tokenizer):
+    text = "Serving such a model means keeping many sequences in flight"
+    body = {"prompt": text, "max_tokens": 16, "temperature": 0}
+    full = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]
+    assert full["token_ids"] and full["text"] == tokenizer.decode(full["token_ids"], skip_special_tokens=True)
+    # a stop string from the middle of what it generates: the text ends just before it, finish_reason stop
+    cut = len(full["text"]) // 2
+    stop = full["text"][cut:cut + 2]
+    assert stop.strip() and full["text"].find(stop) >= 0
+    stopped = httpx.post(server.url + "/v1/completions", json={**body, "stop": [stop]}, timeout=60).json()
+    choice = stopped["choices"][0]
+    assert choice["finish_reason"] == "stop"
+    assert choice["text"] == full["text"][:full["text"].find(stop)]
+    assert choice["token_ids"] == full["token_ids"][:len(choice["token_ids"])] and len(choice["token_ids"]) < 16
+    # a stop token id ends the choice after it, as the engine's eos does
+    stop_id = full["token_ids"][3]
+    by_id = httpx.post(server.url + "/v1/completions", json={**body, "stop_token_ids": [stop_id]},
+                       timeout=60).json()["choices"][0]
+    assert by_id["finish_reason"] == "stop"
+    assert by_id["token_ids"] == full["token_ids"][:full["token_ids"].index(stop_id) + 1]
+    server.wait_pool_full()
+
+
+def test_n_choices_and_seeded_sampling_are_reproducible(server):
+    body = {"prompt": [PROMPTS[0], PROMPTS[2]], "max_tokens": 5, "temperature": 0.9, "top_p": 0.95, "seed": 11,
+            "n": 2}
+    first, again = (httpx.post(server.url + "/v1/completions", json=body, timeout=60).json() for _ in range(2))
+    assert [c["index"] for c in first["choices"]] == [0, 1, 2, 3]
+    assert [c["token_ids"] for c in first["choices"]] == [c["token_ids"] for c in again["choices"]]
+    # choice i draws with seed + i: two samples of one prompt differ (5 tokens from a flat random model)
+    assert first["choices"][0]["token_ids"] != first["choices"][1]["token_ids"]
+
+
+def test_a_client_that_goes_away_frees_its_pages(server):
+    body = {"prompt": PROMPTS[1], "max_tokens": 24, "temperature": 0, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as response:
+        lines = response.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+    # closed after the first token: cancelled between steps, long before its 24 tokens
+    server.wait_pool_full()
+    # the same without streaming: a raw connection that sends the request and hangs up
+    payload = json.dumps({**body, "stream": False}).encode()
+    port = int(server.url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as raw:
+        raw.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload)
+        deadline = time.monotonic() + 30
+        while server.loop.state().running == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    server.wait_pool_full()
+    metrics = httpx.get(server.url + "/metrics").text
+    assert re.search(r"^qcompile_requests_running 0\.0$", metrics, re.M)
+
+
+def test_cancelling_half_of_many_streams_leaves_the_pool_full(server):
+    async def one(client, i):
+        body = {"prompt": [(5 * i + j) % 400 + 3 for j in range(3 + i % 5)], "max_tokens": 10, "temperature": 0,
+                "stream": True}
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            made = 0
+            async for line in response.aiter_lines():
+                if line.startswith("data: {"):
+                    made += 1
+                    if i % 2 and made == 2:
+                        return "cancelled"
+        return "done"
+
+    async def main():
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(10)))
+
+    assert asyncio.run(main()) == ["done", "cancelled"] * 5
+    server.wait_pool_full()
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ({"prompt": [1, 2], "max_token": 3}, 400, "max_token"),
+    ({"prompt": [1, 2], "max_tokens": 0}, 400, "max_tokens"),
+    ({"prompt": [1, 2], "max_tokens": 47}, 400, "max_tokens"),
+    ({"prompt": list(range(48))}, 400, "prompt"),
+    ({"prompt": [1, 99999]}, 400, "prompt"),
+    ({"prompt": []}, 400, "prompt"),
+    ({}, 400, "prompt"),
+    ({"prompt": [1], "temperature": -1}, 400, "temperature"),
+    ({"prompt": [1], "top_p": 0}, 400, "top_p"),
+    ({"prompt": [1], "stream": "yes"}, 400, "stream"),
+    ({"prompt": [1], "echo": True}, 400, "echo"),
+    ({"prompt": [1], "model": "gpt-4"}, 404, "model"),
+])
+def test_bad_requests_get_an_error_naming_the_field(server, body, status, param):
+    response = httpx.post(server.url + "/v1/completions", json=body, timeout=30)
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert error["param"] == param and error["message"]
+
+
+def test_malformed_bodies_and_the_other_endpoints(server):
+    response = httpx.post(server.url + "/v1/completions", content=b"{not json", timeout=30)
+    assert response.status_code == 400 and "JSON" in response.json()["error"]["message"]
+    assert httpx.post(server.url + "/v1/completions", json=[1, 2]).status_code == 400
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    models = httpx.get(server.url + "/v1/models").json()["data"]
+    assert [m["id"] for m in models] == ["small"] and models[0]["max_model_len"] == 48
+    assert httpx.get(server.url + "/v1/completions").status_code == 405
+
+
+def test_parse_completion_defaults_and_refusals():
+    info = ModelInfo("m", 100, 64, (2,))
+    parsed = parse_completion({"prompt": [5, 6]}, info)
+    assert (parsed.max_tokens, parsed.temperature, parsed.n, parsed.stop_ids) == (16, 1.0, 1, (2,))
+    assert parse_completion({"prompt": [5], "ignore_eos": True, "stop_token_ids": [7]}, info).stop_ids == (7,)
+    assert parse_completion({"prompt": [5], "temperature": 0}, info).sampling(0).greedy
+    seeded = parse_completion({"prompt": [5], "seed": 4, "top_k": -1}, info)
+    assert seeded.sampling(1).seed == 5 and seeded.sampling(1).top_k == 0
+    for body, param in (({"prompt": "text"}, "prompt"), ({"prompt": [5], "stop": "x"}, "stop"),
+                        ({"prompt": [5], "stream_options": {"include_usage": True}}, "stream_options")):
+        with pytest.raises(BadRequest) as err:
+            parse_completion(body, info)  # no tokenizer: text and stop strings are refused
+        assert err.value.param == param
+
+
+def test_the_serve_command_starts_answers_and_stops_on_ctrl_c(model, tmp_path):
+    """The real command: port 0, the address printed on stderr; SIGINT stops it with exit 0. A taken port and a
+    missing checkpoint are one-line usage errors (exit 2)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
+    command = [sys.executable, "-m", "qcompile.cli", "serve", str(model.checkpoint.path), "--port", "0",
+               "--passes", "none", "--verify", "none", "--no-warmup", "--max-seqs", "2", "--max-context", "32"]
+    proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        url, seen = None, []
+        deadline = time.monotonic() + 240
+        while url is None:
+            assert time.monotonic() < deadline and proc.poll() is None, "".join(seen)
+            line = proc.stderr.readline()
+            seen.append(line)
+            match = re.search(r"serving \S+ on (http://\S+)", line)
+            url = match and match.group(1)
+        got = httpx.post(url + "/v1/completions", json={"prompt": "A compiler", "max_tokens": 3, "temperature": 0},
+                         timeout=120).json()
+        assert len(got["choices"][0]["token_ids"]) == 3
+        port = int(url.rsplit(":", 1)[1])
+        taken = subprocess.run([*command[:5], "--port", str(port)], capture_output=True, text=True, env=env,
+                               timeout=120)
+        assert taken.returncode == 2 and "pick another --port" in taken.stderr
+        assert len(taken.stderr.strip().splitlines()) == 1
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    missing = subprocess.run([*command[:4], str(tmp_path / "nothing")], capture_output=True, text=True, env=env,
+                             timeout=120)
+    assert missing.returncode == 2 and "does not exist" in missing.stderr
+
+
+def test_bench_url_measures_the_server_with_the_in_process_metrics(server):
+    from qcompile.compiler.bench import BenchOptions, run_bench
+    from qcompile.errors import UsageError
+
+    lines = []
+    report = run_bench(BenchOptions(source=None, url=server.url, input_len=6, output_len=4, concurrency=(2,),
+                                    num_prompts=5, request_rate=50.0), emit=lines.append)
+    (run,) = report["runs"]
+    assert run["engine"] == "qcompile-http" and run["passes"] == "small" and run["concurrency"] == 2
+    assert run["requests"] == 5 and run["complete"]
+    assert run["ttft_ms"]["mean"] > 0 and run["output_tok_s"] > 0 and run["itl_ms"]["p99"] is not None
+    assert run["measured_seconds"]["duration"] > 0 and run["prefill_tok_s"] is None
+    assert any(line.startswith("qcompile-http") for line in "\n".join(lines).splitlines())
+    server.wait_pool_full()
+    with pytest.raises(UsageError, match="no OpenAI-compatible server"):
+        run_bench(BenchOptions(source=None, url="http://127.0.0.1:9", input_len=4, output_len=2, concurrency=(1,)))
+    with pytest.raises(UsageError, match="context"):
+        run_bench(BenchOptions(source=None, url=server.url, input_len=40, output_len=20, concurrency=(1,)))
