@@ -315,8 +315,9 @@ def _check_output_file(path: Path, flag: str) -> None:
               help="Save the prompt's logits, float32 [T, vocab], as .npy (to exactly this path; one prompt only).")
 @click.option("--ignore-eos", is_flag=True, help="Do not stop at the config's eos_token_id: generate --max-new-tokens.")
 @click.option("--memory-budget", metavar="SIZE", callback=_size_option,
-              help="Refuse (exit 2), before allocating the caches, when weights + caches + the largest step's "
-                   "temporaries + the runtime would exceed SIZE (e.g. 16GiB, 800MB).")
+              help="Stay within SIZE (e.g. 16GiB, 800MB): weights + caches + the largest step's temporaries + the "
+                   "runtime. A checkpoint's KV pool is shrunk to fit when it can; otherwise refused (exit 2) before "
+                   "the caches are allocated.")
 @click.option("--json", "as_json", is_flag=True,
               help="Print a machine-readable JSON result per prompt (with finish_reason and where the memory went).")
 @click.option("--mesh", "mesh_spec", metavar="SPEC",
@@ -406,6 +407,8 @@ def run_cmd(checkpoint, prompt_ids, prompt_texts, max_new_tokens, dtype, save_lo
                                           max_step_tokens=min(sum(len(ids) for ids in prompts), 256)),
                               memory_budget=memory_budget)
         graph = model.graph
+        if engine.pool_note:
+            click.echo(f"qcompile: {engine.pool_note}", err=True)
     bad = [i for ids in prompts for i in ids if not 0 <= i < vocab]
     if bad:
         raise UsageError(f"prompt id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
@@ -602,7 +605,8 @@ def bench_cmd(source, url, workload, scale, input_len, output_len, concurrency, 
 @click.option("--max-step-tokens", type=click.IntRange(min=1), metavar="N",
               help="Tokens per engine step (decode tokens + prefill chunks; checkpoint only) [default: 256].")
 @click.option("--memory-budget", metavar="SIZE", callback=_size_option,
-              help="Refuse (exit 2) a cache configuration whose weights + caches + temporaries exceed SIZE.")
+              help="Memory to stay within: without --num-pages the KV pool is sized to fit it (preempting when "
+                   "pages run out); refused (exit 2) when not even one --max-context sequence fits.")
 @click.option("--verify", type=click.Choice(["final", "none"]), default="final", show_default=True,
               help="Check the build against the unoptimized graph before serving (checkpoint only).")
 @click.option("--no-warmup", is_flag=True, help="Compile each shape bucket on first use instead of before serving.")
@@ -673,6 +677,8 @@ def serve_cmd(source, host, port, served_model_name, passes_spec, dtype, max_seq
 
             engine = Engine(builds[0].graph, builds[0].params, cache, target, memory_budget)
             eos_ids, vocab = tuple(ckpt.config.eos_token_ids), ckpt.config.vocab_size
+        if engine.pool_note:
+            click.echo(f"qcompile: {engine.pool_note}", err=True)
         tokenizer_dir = _tokenizer_dir(source)
         tokenizer = None
         if (tokenizer_dir / "tokenizer.json").is_file():

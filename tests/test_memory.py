@@ -8,6 +8,8 @@ resident set of `qcompile run` stays within 1.3 × (weights + caches) + the fixe
 
 from __future__ import annotations
 
+import attrs
+
 import copy
 import json
 import mmap
@@ -199,7 +201,7 @@ def test_a_budget_too_small_is_refused_before_the_caches_exist(mid, capsys):
     assert code == 2 and "not a size" in err
 
 
-def test_a_budget_that_fits_the_weights_but_not_the_caches_says_to_serve_fewer_sequences(tmp_path, monkeypatch):
+def test_a_budget_that_fits_the_weights_but_not_the_caches_fits_the_pool_or_says_to_serve_fewer(tmp_path, monkeypatch):
     from conftest import write_small
     from qcompile.errors import UsageError
     from qcompile.runtime import engine as engine_module
@@ -212,9 +214,19 @@ def test_a_budget_that_fits_the_weights_but_not_the_caches_says_to_serve_fewer_s
     assert estimate["kv_pages"] == 128 << 20
     assert estimate["needed_bytes"] == sum(estimate[k] for k in ("weights_bytes", "kv_pages", "gdn_state",
                                                                  "temporaries_bytes", "runtime_bytes"))
-    assert model.engine(large, memory_budget=estimate["needed_bytes"]).caches  # exactly enough is enough
+    exact = model.engine(large, memory_budget=estimate["needed_bytes"])  # exactly enough is enough
+    assert exact.caches and exact.sizes["P"] == 8 * 1024 and exact.pool_note is None
+    # with the pool size given (--num-pages), a budget 64 MiB short is refused ...
     with pytest.raises(UsageError, match="serve fewer or shorter sequences"):
-        model.engine(large, memory_budget=estimate["needed_bytes"] - (64 << 20))
+        model.engine(attrs.evolve(large, num_pages=8 * 1024), memory_budget=estimate["needed_bytes"] - (64 << 20))
+    # ... without it the pool is fitted to the budget: the 64 MiB short are 4096 of the 8192 16 KiB pages, so 4
+    # sequences fit at full length, more when shorter (the scheduler preempts when pages run out)
+    fitted = model.engine(large, memory_budget=estimate["needed_bytes"] - (64 << 20))
+    assert fitted.sizes["P"] == 4096 and len(fitted.free_pages) == 4096 and fitted.cache_cfg.max_seqs == 8
+    assert "4096 KV pages" in fitted.pool_note and "4 sequences at full length" in fitted.pool_note
+    # less than one full-length sequence's pages is still refused
+    with pytest.raises(UsageError, match="serve fewer or shorter sequences"):
+        model.engine(large, memory_budget=estimate["needed_bytes"] - (128 << 20) + (8 << 20))
 
 
 # -- temporaries ---------------------------------------------------------------------------------------------------

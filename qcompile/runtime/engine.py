@@ -155,8 +155,12 @@ class Engine:
         self.pages_per_seq = cache.pages_per_seq(self.page_size)
         self.sizes = cache.sizes(self.page_size)
         self.cache_names = list(program.cache_types)
+        self.pool_note: str | None = None
         if memory_budget is not None:
+            if cache.num_pages is None and isinstance(program, GraphProgram):
+                self._fit_pool(memory_budget)
             self.check_memory_budget(memory_budget)
+        cache = self.cache_cfg
         self.caches = {name: jnp.zeros(t.bind(self.sizes), np_dtype(t.dtype)) for name, t in program.cache_types.items()}
         if self.ranks > 1:
             self.caches = program.place_caches(self.caches)
@@ -207,10 +211,29 @@ class Engine:
                 warm_sampler(tuple(logits.shape), logits.dtype)
             t *= 2
 
-    def check_memory_budget(self, budget: int) -> dict:
-        """Refuse (exit 2), before any cache is allocated, a cache configuration whose weights + caches + the largest
-        step's temporaries + the process's own memory would exceed `budget` bytes. The largest bucket is compiled
-        for it (XLA's memory analysis; the same executable then serves that step). Returns the estimate."""
+    def _fit_pool(self, budget: int) -> None:
+        """Without --num-pages, a budget that cannot hold every slot at max_context gets the KV pool that fits it
+        (whole pages, a multiple of the ranks), as long as one sequence of max_context still fits per rank: more
+        sequences of mixed lengths are served than full-length ones, the scheduler preempting when pages run out.
+        `pool_note` says what was chosen."""
+        estimate = self.memory_estimate()
+        if estimate["needed_bytes"] <= budget:
+            return
+        full = self.sizes["P"]
+        page_bytes = estimate["kv_pages"] // full
+        spare = budget - (estimate["needed_bytes"] - estimate["kv_pages"])
+        pages = (max(0, spare) // max(page_bytes, 1)) // self.ranks * self.ranks
+        if pages < self.pages_per_seq * self.ranks:
+            return  # not even one full-length sequence per rank: check_memory_budget refuses, saying why
+        self.cache_cfg = attrs.evolve(self.cache_cfg, num_pages=int(pages))
+        self.sizes = self.cache_cfg.sizes(self.page_size)
+        self.pool_note = (f"--memory-budget: {pages} KV pages of {self.page_size} tokens fit (every one of the "
+                          f"{self.cache_cfg.max_seqs} slots at {self.cache_cfg.max_context} tokens would need {full}); "
+                          f"{pages // self.pages_per_seq} sequences at full length, more when shorter")
+
+    def memory_estimate(self) -> dict:
+        """Bytes this engine's configuration needs: weights, caches by kind, the largest step's temporaries (XLA's
+        analysis of its compiled bucket) and the process's own memory."""
         weights = weight_bytes(self.params)
         caches = cache_bytes({n: (t.bind(self.sizes), np_dtype(t.dtype)) for n, t in self.program.cache_types.items()})
         tokens, rows = self.largest_step()
@@ -222,8 +245,18 @@ class Engine:
         # beyond the weights' copies; weights used in place from a mapped file are not resident yet.
         runtime = max(0, resident()["total"] - (weights["bytes"] - weights["mapped_bytes"]))
         need = weights["bytes"] + sum(caches.values()) + temporaries + runtime
-        estimate = {"budget_bytes": budget, "needed_bytes": need, "weights_bytes": weights["bytes"], **caches,
-                    "temporaries_bytes": temporaries, "runtime_bytes": runtime}
+        return {"needed_bytes": need, "weights_bytes": weights["bytes"], **caches, "temporaries_bytes": temporaries,
+                "runtime_bytes": runtime, "step": (tokens, rows)}
+
+    def check_memory_budget(self, budget: int) -> dict:
+        """Refuse (exit 2), before any cache is allocated, a cache configuration whose weights + caches + the largest
+        step's temporaries + the process's own memory would exceed `budget` bytes. The largest bucket is compiled
+        for it (XLA's memory analysis; the same executable then serves that step). Returns the estimate."""
+        estimate = {"budget_bytes": budget, **self.memory_estimate()}
+        need, (tokens, _) = estimate["needed_bytes"], estimate.pop("step")
+        weights = {"bytes": estimate["weights_bytes"]}
+        caches = {"kv_pages": estimate["kv_pages"], "gdn_state": estimate["gdn_state"]}
+        temporaries, runtime = estimate["temporaries_bytes"], estimate["runtime_bytes"]
         if need > budget:
             fixed = weights["bytes"] + runtime
             seqs = f"{self.cache_cfg.max_seqs} sequence{'s' * (self.cache_cfg.max_seqs != 1)}"
