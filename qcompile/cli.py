@@ -446,24 +446,14 @@ def run_cmd(checkpoint, prompt_ids, prompt_texts, max_new_tokens, dtype, save_lo
             click.echo(",".join(str(t) for t in tokens))
 
 
-def _tokenizer_dir(source: Path) -> Path | None:
-    """Where the tokenizer of a checkpoint or an artifact is: beside config.json; in an artifact, its own directory,
-    its linked checkpoint/ or the checkpoint it was compiled from."""
-    from qcompile.runtime.artifact import is_artifact
+def _tokenizer_dir(source: Path) -> Path:
+    """Where the tokenizer of a checkpoint (beside config.json) or an artifact (runtime/artifact.py) is."""
+    from qcompile.runtime.artifact import is_artifact, tokenizer_dir
 
     source = Path(source)
-    if not is_artifact(source):
-        return source if source.is_dir() else source.parent
-    candidates = [source, source / "checkpoint"]
-    try:
-        weights = json.loads((source / "manifest.json").read_text()).get("weights", {})
-        if weights.get("checkpoint", {}).get("path"):
-            path = Path(weights["checkpoint"]["path"])
-            candidates.append(path if path.is_dir() else path.parent)
-    except (OSError, ValueError, AttributeError):
-        pass
-    return next((c for c in candidates if (c / "tokenizer.json").is_file()), source)
-
+    if is_artifact(source):
+        return tokenizer_dir(source)
+    return source if source.is_dir() else source.parent
 
 def _sample_prompts(engine, prompts, max_new_tokens, eos_ids, sampling) -> dict:
     """`run` with sampling: the prompts served by the continuous-batching scheduler, prompt i drawing with seed + i

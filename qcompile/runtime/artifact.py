@@ -458,6 +458,22 @@ def artifact_devices(path) -> int:
         return 1
 
 
+def tokenizer_dir(path) -> Path:
+    """Where an artifact's tokenizer.json is: the artifact itself (a copied-weights artifact keeps it), its linked
+    checkpoint/, or the checkpoint it references by path; the artifact when none has one (the caller then says
+    that a tokenizer is needed). Read without loading the artifact."""
+    root = Path(path)
+    candidates = [root, root / "checkpoint"]
+    try:
+        weights = json.loads((root / MANIFEST).read_text()).get("weights", {})
+        if weights.get("checkpoint", {}).get("path"):
+            source = Path(weights["checkpoint"]["path"])
+            candidates.append(source if source.is_dir() else source.parent)
+    except (OSError, ValueError, AttributeError):
+        pass
+    return next((c for c in candidates if (c / "tokenizer.json").is_file()), root)
+
+
 def _mesh(manifest: dict, manifest_path: Path):
     """The manifest's mesh (None: one device); refused when malformed or when this process has too few devices."""
     from qcompile.ir.mesh import Mesh
