@@ -329,3 +329,31 @@ def test_bench_url_measures_the_server_with_the_in_process_metrics(server):
         run_bench(BenchOptions(source=None, url="http://127.0.0.1:9", input_len=4, output_len=2, concurrency=(1,)))
     with pytest.raises(UsageError, match="context"):
         run_bench(BenchOptions(source=None, url=server.url, input_len=40, output_len=20, concurrency=(1,)))
+
+
+@pytest.mark.slow
+def test_a_soak_of_many_short_requests_over_http_loses_and_leaks_nothing(server):
+    """600 short requests, 24 in flight at a time, every third client hanging up after its first token: every other
+    request gets all its tokens, and the pool is full at the end (the in-process soak is tests/test_scheduler.py)."""
+    async def one(client, gate, i):
+        body = {"prompt": [(7 * i + j) % 450 + 5 for j in range(2 + i % 7)], "max_tokens": 2 + i % 4,
+                "temperature": 0, "stream": True}
+        async with gate, client.stream("POST", "/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            tokens = 0
+            async for line in response.aiter_lines():
+                if line.startswith("data: {"):
+                    tokens += len(json.loads(line[6:])["choices"][0]["token_ids"])
+                    if i % 3 == 2:
+                        return None
+            return tokens == body["max_tokens"]
+
+    async def main():
+        gate = asyncio.Semaphore(24)
+        async with httpx.AsyncClient(base_url=server.url, timeout=300,
+                                     limits=httpx.Limits(max_connections=32)) as client:
+            return await asyncio.gather(*(one(client, gate, i) for i in range(600)))
+
+    outcomes = asyncio.run(main())
+    assert outcomes.count(True) == 400 and outcomes.count(None) == 200
+    server.wait_pool_full(60)
