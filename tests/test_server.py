@@ -187,24 +187,34 @@ def test_n_choices_and_seeded_sampling_are_reproducible(server):
     assert first["choices"][0]["token_ids"] != first["choices"][1]["token_ids"]
 
 
+def _generated(server) -> float:
+    text = httpx.get(server.url + "/metrics").text
+    return float(re.search(r"^qcompile_generation_tokens_total (\S+)", text, re.M).group(1))
+
+
 def test_a_client_that_goes_away_frees_its_pages(server):
-    body = {"prompt": PROMPTS[1], "max_tokens": 24, "temperature": 0, "stream": True}
+    """A client that hangs up is cancelled between steps: its pages are free and it stopped generating long before
+    its 40 tokens (the engine counts every token it makes)."""
+    body = {"prompt": PROMPTS[0], "max_tokens": 40, "temperature": 0, "stream": True}
+    before = _generated(server)
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as response:
         lines = response.iter_lines()
         assert next(line for line in lines if line.startswith("data: "))
-    # closed after the first token: cancelled between steps, long before its 24 tokens
     server.wait_pool_full()
+    assert _generated(server) - before < 40
     # the same without streaming: a raw connection that sends the request and hangs up
     payload = json.dumps({**body, "stream": False}).encode()
     port = int(server.url.rsplit(":", 1)[1])
+    before = _generated(server)
     with socket.create_connection(("127.0.0.1", port), timeout=10) as raw:
         raw.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                     b"Content-Length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload)
         deadline = time.monotonic() + 30
         while server.loop.state().running == 0:
             assert time.monotonic() < deadline
-            time.sleep(0.01)
+            time.sleep(0.005)
     server.wait_pool_full()
+    assert _generated(server) - before < 40
     metrics = httpx.get(server.url + "/metrics").text
     assert re.search(r"^qcompile_requests_running 0\.0$", metrics, re.M)
 

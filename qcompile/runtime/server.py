@@ -213,6 +213,7 @@ class Metrics:
                                   "Generated tokens per second over the last 10 s", registry=registry)
         self.prompt_tokens = Counter("qcompile_prompt_tokens", "Prompt tokens received", registry=registry)
         self.generation_tokens = Counter("qcompile_generation_tokens", "Tokens generated", registry=registry)
+        self._counted = 0
         self.requests = Counter("qcompile_requests_finished", "Finished choices by reason", ["finish_reason"],
                                 registry=registry)
         self.ttft = Histogram("qcompile_time_to_first_token_seconds", "Time to first token", buckets=latency,
@@ -229,6 +230,9 @@ class Metrics:
         self.kv_pages_total.set(state.kv_pages_total)
         self.slots_used.set(state.slots_used)
         self.tokens_per_s.set(state.tokens_per_s)
+        if state.tokens_made > self._counted:  # made by the engine, whether or not a client was still there
+            self.generation_tokens.inc(state.tokens_made - self._counted)
+            self._counted = state.tokens_made
 
     def exposition(self) -> bytes:
         from prometheus_client import generate_latest
@@ -301,7 +305,6 @@ class _Completions:
             if choice.finish_reason is not None:
                 continue  # ended by a stop string; the engine's own finish comes after
             if kind == "token":
-                metrics.generation_tokens.inc()
                 if choice.last_token_at is None:
                     metrics.ttft.observe(at - choice.arrived)
                 else:

@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 import attrs
 
+from qcompile.errors import UsageError
 from qcompile.runtime.scheduler import Request, Scheduler
 
 __all__ = ["EngineLoop", "LoopState"]
@@ -45,6 +46,7 @@ class LoopState:
     slots_total: int
     tokens_per_s: float  # generated tokens per second over the last `window` seconds
     step_seconds: float | None  # the last step's wall time (None before the first)
+    tokens_made: int = 0  # every token the engine has made since the loop started (cancelled requests' too)
 
 
 class EngineLoop:
@@ -66,6 +68,7 @@ class EngineLoop:
         self._stopping = False
         self._made: deque[tuple[float, int]] = deque()  # (time, tokens made by that step) within the window
         self._last_step: float | None = None
+        self._tokens_made = 0
         self._thread = threading.Thread(target=self._main, name="qcompile-engine", daemon=True)
 
     # -- any thread --------------------------------------------------------------------------------------------------
@@ -122,8 +125,13 @@ class EngineLoop:
                     item.request.finish_reason = "cancelled"
                     item.on_finish(item.request)
                     continue
+                try:
+                    self.scheduler.submit(item.request)
+                except UsageError:  # checked by `submit` already; never let one request stop the loop
+                    item.request.finish_reason = "cancelled"
+                    item.on_finish(item.request)
+                    continue
                 self._jobs[item.request] = item
-                self.scheduler.submit(item.request)
             elif kind == "cancel" and self.scheduler.cancel(item):
                 self._finish(item)
 
@@ -143,7 +151,8 @@ class EngineLoop:
                          kv_pages_used=total_pages - sum(map(len, engine.free_pages_by_rank)),
                          kv_pages_total=total_pages,
                          slots_used=total_slots - sum(map(len, engine.free_slots_by_rank)), slots_total=total_slots,
-                         tokens_per_s=made / span if span > 0 else 0.0, step_seconds=self._last_step)
+                         tokens_per_s=made / span if span > 0 else 0.0, step_seconds=self._last_step,
+                         tokens_made=self._tokens_made)
 
     def _report(self) -> None:
         if self.on_state is not None:
@@ -165,6 +174,7 @@ class EngineLoop:
                 self._last_step = now - started
                 if made:
                     self._made.append((now, len(made)))
+                    self._tokens_made += len(made)
                 for request, token in made:
                     job = self._jobs.get(request)
                     if job is not None:
