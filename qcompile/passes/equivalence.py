@@ -290,10 +290,14 @@ class EquivalenceChecker:
             else:
                 batch, rows = self._pack(self.work, ranks, page_size)
             out = run_graph(graph, self.params, in_cache_dtypes(graph, caches), batch, target)
-            after = self._layout(page_size, advanced=True)
-            out = {name: after.logical_kv(value) if is_kv_pages(name) else value for name, value in out.items()}
-            self._outputs[key] = outputs_by_item(out, rows)
+            self._outputs[key] = outputs_by_item(self.comparable(graph, out), rows)
         return self._outputs[key]
+
+    def comparable(self, graph: Graph, out: dict) -> dict:
+        """`graph`'s raw step outputs on the check batch with its KV page caches as each check sequence's logical KV
+        (the form `outputs` compares)."""
+        after = self._layout(int(graph.meta["page_size"]), advanced=True)
+        return {name: after.logical_kv(value) if is_kv_pages(name) else value for name, value in out.items()}
 
     def _layout(self, page_size: int, advanced: bool = False) -> "_Sequences":
         """The check's sequences in a layout of `page_size` (their lengths after the warm-up, or after the check
