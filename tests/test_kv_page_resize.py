@@ -93,14 +93,9 @@ def test_resized_graphs_are_checked_through_the_logical_kv(model):
     assert not result.ok and k in result.reason
 
 
-def _one_family(ckpt) -> None:
-    if ckpt.config.family != "qwen3_5_moe":
-        pytest.skip("the same for both families (the attention layers are); one is enough")
-
-
+@pytest.mark.parametrize("model", ["qwen3_5_moe"], indirect=True)  # the same for both families: one is enough
 def test_the_engine_generates_the_same_tokens_with_resized_pages(model):
-    ckpt, graph, params, _ = model
-    _one_family(ckpt)
+    _, graph, params, _ = model
     prompts = [[5, 9, 200, 31, 7, 7, 40, 2, 9, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20], [3, 4]]
     from qcompile.runtime.engine import Engine
 
@@ -132,13 +127,13 @@ def test_capacity_for_a_memory_budget(model):
     json.dumps(result.stats)  # the report is JSON
 
 
+@pytest.mark.parametrize("model", ["qwen3_5_moe"], indirect=True)
 def test_compile_reports_the_page_size_and_a_fixed_one_wins(tmp_path, model):
     """Through the compile driver: the tpu build has 256-token pages (capped at --max-context), recorded in the
     artifact's manifest; --page-size 32 is kept by the pass on the same target."""
     from qcompile.compiler.driver import CompileOptions, compile_checkpoint
 
     ckpt, _, _, _ = model
-    _one_family(ckpt)
     out = tmp_path / "tpu"
     report = compile_checkpoint(CompileOptions(checkpoint=ckpt.path, passes="kv-page-resize", output=out,
                                                target="tpu", verify="final",

@@ -116,7 +116,7 @@ def _sse(text: str) -> list:
     return [json.loads(e) for e in events[:-1]]
 
 
-def test_concurrent_requests_get_their_own_greedy_tokens_even_when_preempted(server, alone):
+def test_concurrent_requests_get_their_own_greedy_tokens(server, alone):
     bodies = [{"prompt": p, "max_tokens": n, "temperature": 0} for p, n in zip(PROMPTS, NEW)]
     responses = asyncio.run(_post_all(server.url, bodies))
     assert [r.status_code for r in responses] == [200] * len(PROMPTS)
@@ -127,8 +127,8 @@ def test_concurrent_requests_get_their_own_greedy_tokens_even_when_preempted(ser
     assert usage == {"prompt_tokens": 23, "completion_tokens": 3, "total_tokens": 26}
     server.wait_pool_full()
     metrics = httpx.get(server.url + "/metrics").text
-    # the five requests did not fit three slots and five pages at once: some waited, some were preempted, and the
-    # histograms saw every request and every gap between tokens
+    # the five requests did not fit three slots at once (some waited), and the histograms saw every request and
+    # every gap between tokens
     assert re.search(r"^qcompile_time_to_first_token_seconds_count (\d+)", metrics, re.M)
     assert float(re.search(r"^qcompile_inter_token_latency_seconds_count (\S+)", metrics, re.M).group(1)) >= \
         sum(n - 1 for n in NEW)
@@ -136,6 +136,26 @@ def test_concurrent_requests_get_their_own_greedy_tokens_even_when_preempted(ser
                            re.M).group(1)) >= len(PROMPTS)
     assert re.search(r"^qcompile_kv_pages_used 0\.0$", metrics, re.M)
     assert re.search(r"^qcompile_kv_pages_total 5\.0$", metrics, re.M)
+
+
+def _preemptions(server) -> float:
+    text = httpx.get(server.url + "/metrics").text
+    return float(re.search(r"^qcompile_preemptions (\S+)", text, re.M).group(1))
+
+
+def test_requests_preempted_for_pages_still_get_their_own_tokens(server, model):
+    """Three requests of 10 + 12 tokens in 5 pages of 16: all run at once on one page each, and when their decodes
+    cross into a second page only two fit, so one is preempted and recomputed (the server's preemption count says
+    so) — and each still gets exactly the tokens it gets alone."""
+    prompts = [[(13 * i + 7 * r) % 490 + 5 for i in range(10)] for r in range(3)]
+    single = model.engine(CacheConfig(max_seqs=1, max_context=48, max_step_tokens=8))
+    alone = [single.generate([p], 12)["tokens"][0] for p in prompts]
+    before = _preemptions(server)
+    responses = asyncio.run(_post_all(server.url, [{"prompt": p, "max_tokens": 12, "temperature": 0}
+                                                   for p in prompts]))
+    assert [r.json()["choices"][0]["token_ids"] for r in responses] == alone
+    assert _preemptions(server) > before
+    server.wait_pool_full()
 
 
 def test_streaming_sends_the_same_tokens_and_text_with_usage_last(server, alone, tokenizer):

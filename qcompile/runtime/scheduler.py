@@ -61,6 +61,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.steps = 0
+        self.preemptions = 0  # requests preempted (and later recomputed) so far
 
     def _pages(self, request: Request) -> int:
         return math.ceil((len(request.prompt) + request.max_new_tokens) / self.engine.page_size)
@@ -129,6 +130,7 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         self.engine.release(request.seq)
         request.seq, request.prefilled, request.preemptions = None, 0, request.preemptions + 1
+        self.preemptions += 1
         request.feed = list(request.prompt) + list(request.tokens)
         self.running.remove(request)
         self.waiting.appendleft(request)

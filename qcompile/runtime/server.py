@@ -214,6 +214,8 @@ class Metrics:
         self.prompt_tokens = Counter("qcompile_prompt_tokens", "Prompt tokens received", registry=registry)
         self.generation_tokens = Counter("qcompile_generation_tokens", "Tokens generated", registry=registry)
         self._counted = 0
+        self.preemptions = Gauge("qcompile_preemptions", "Requests preempted for KV pages (and recomputed) so far",
+                                 registry=registry)
         self.requests = Counter("qcompile_requests_finished", "Finished choices by reason", ["finish_reason"],
                                 registry=registry)
         self.ttft = Histogram("qcompile_time_to_first_token_seconds", "Time to first token", buckets=latency,
@@ -230,6 +232,7 @@ class Metrics:
         self.kv_pages_total.set(state.kv_pages_total)
         self.slots_used.set(state.slots_used)
         self.tokens_per_s.set(state.tokens_per_s)
+        self.preemptions.set(state.preemptions)
         if state.tokens_made > self._counted:  # made by the engine, whether or not a client was still there
             self.generation_tokens.inc(state.tokens_made - self._counted)
             self._counted = state.tokens_made

@@ -47,6 +47,7 @@ class LoopState:
     tokens_per_s: float  # generated tokens per second over the last `window` seconds
     step_seconds: float | None  # the last step's wall time (None before the first)
     tokens_made: int = 0  # every token the engine has made since the loop started (cancelled requests' too)
+    preemptions: int = 0  # requests preempted for pages (and recomputed) since the loop started
 
 
 class EngineLoop:
@@ -152,7 +153,7 @@ class EngineLoop:
                          kv_pages_total=total_pages,
                          slots_used=total_slots - sum(map(len, engine.free_slots_by_rank)), slots_total=total_slots,
                          tokens_per_s=made / span if span > 0 else 0.0, step_seconds=self._last_step,
-                         tokens_made=self._tokens_made)
+                         tokens_made=self._tokens_made, preemptions=self.scheduler.preemptions)
 
     def _report(self) -> None:
         if self.on_state is not None:
