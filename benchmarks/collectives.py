@@ -1,6 +1,6 @@
 """Collective bytes per step of a laid-out model, read from the compiled program, and step time on the simulated mesh.
 
-    python benchmarks/collectives.py CHECKPOINT [--mesh 8] [--tokens 32] [--json FILE]
+    python benchmarks/collectives.py CHECKPOINT [--mesh 8] [--layout dp4xtp2] [--tokens 32] [--json FILE]
 
 For one decode-shaped step (T tokens, one per sequence, R = T rows) of CHECKPOINT's unoptimized graph and of the
 graph laid out on the mesh by gqa-sharding alone (MoE layers as all-to-all dispatch), by gqa-sharding +
@@ -27,6 +27,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("checkpoint", type=Path)
     parser.add_argument("--mesh", default="8")
+    parser.add_argument("--layout", help="gqa-sharding's plan (e.g. dp4xtp2 on --mesh 4x2) instead of its choice")
     parser.add_argument("--tokens", type=int, default=32, help="decode tokens (sequences) in the step")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--flagship", type=Path, metavar="CHECKPOINT",
@@ -53,14 +54,16 @@ def main() -> None:
     graph = fold_weight_preparation(build_graph(ckpt, None, 16))
     params = load_params(ckpt, graph, progress=False)
     context = 64
-    a2a = lay_out(graph, mesh, concurrency=args.tokens, max_context=context, gather_moe=False)
-    gathered = lay_out(graph, mesh, concurrency=args.tokens, max_context=context, hierarchical=False)
+    a2a = lay_out(graph, mesh, concurrency=args.tokens, max_context=context, gather_moe=False, layout=args.layout)
+    gathered = lay_out(graph, mesh, concurrency=args.tokens, max_context=context, hierarchical=False,
+                       layout=args.layout)
     builds = [("single device", graph), (f"gqa-sharding on {args.mesh}", a2a),
               (f"+ moe-allgather-rs on {args.mesh}", gathered)]
     if len(mesh.shape) > 1:
         builds.append((f"+ hierarchical-collectives on {args.mesh}",
-                       lay_out(graph, mesh, concurrency=args.tokens, max_context=context)))
-    report = {"checkpoint": str(args.checkpoint), "mesh": list(mesh.shape), "tokens": args.tokens, "builds": {}}
+                       lay_out(graph, mesh, concurrency=args.tokens, max_context=context, layout=args.layout)))
+    report = {"checkpoint": str(args.checkpoint), "mesh": list(mesh.shape), "tokens": args.tokens, "builds": {},
+              "plan": a2a.meta["mesh"].rules and dict(a2a.meta["mesh"].rules)}
     for label, g in builds:
         slots = -(-args.tokens // mesh.size) * mesh.size
         engine = Engine(g, params, CacheConfig(max_seqs=slots, max_context=context, max_step_tokens=args.tokens))

@@ -106,9 +106,13 @@ def cli():
                    "devices). On this host qcompile creates that many CPU devices itself.")
 @click.option("--concurrency", type=click.IntRange(min=1), metavar="N",
               help="Expected concurrent sequences, for gqa-sharding's plan choice (default: --max-seqs).")
+@click.option("--layout", metavar="PLAN",
+              help="gqa-sharding's plan instead of its choice: dp8, dp4xtp2, tp2, ... (data-parallel ranks x "
+                   "tensor-parallel degree; tensor parallelism runs over the mesh's innermost axes). The report lists "
+                   "every plan.")
 def compile_cmd(checkpoint, passes_spec, output, report_path, dtype, page_size, memory_budget, target, verify,
                 verify_layers, seed, print_ir_after, print_ir_after_change, dump_dir, repro_dir, max_seqs, max_context,
-                max_step_tokens, num_pages, weights_mode, mesh_spec, concurrency):
+                max_step_tokens, num_pages, weights_mode, mesh_spec, concurrency, layout):
     """Load CHECKPOINT, build and verify the step graph, run and check the selected passes, write the artifact."""
     from qcompile.ir.abi import CacheConfig
 
@@ -129,6 +133,8 @@ def compile_cmd(checkpoint, passes_spec, output, report_path, dtype, page_size, 
         _check_output_dir(dump_dir, "--dump-dir")
     if repro_dir is not None:
         _check_output_dir(repro_dir, "--repro-dir")
+    if layout is not None and mesh_spec is None:
+        raise UsageError("--layout needs --mesh (the plan lays the model out on the mesh's devices)")
     mesh = _setup_mesh(mesh_spec)
     from qcompile.compiler.driver import CompileOptions, compile_checkpoint
 
@@ -136,7 +142,7 @@ def compile_cmd(checkpoint, passes_spec, output, report_path, dtype, page_size, 
         checkpoint=checkpoint, passes=passes_spec, output=output, report=report_path, dtype=dtype,
         page_size=page_size, memory_budget=memory_budget, target=target, verify=verify, verify_layers=verify_layers, seed=seed,
         print_ir_after=tuple(print_ir_after), print_ir_after_change=print_ir_after_change, dump_dir=dump_dir,
-        repro_dir=repro_dir, cache=cache, weights=weights_mode, mesh=mesh, concurrency=concurrency)
+        repro_dir=repro_dir, cache=cache, weights=weights_mode, mesh=mesh, concurrency=concurrency, layout=layout)
     report = compile_checkpoint(opts, emit=click.echo)
     click.echo(f"done in {report['compile_seconds']:.1f}s")
 

@@ -54,7 +54,7 @@ def test_every_gdn_layer_is_fused(model):
     result = GDN_CONV_FUSION.run(graph, PassContext())
     new = result.graph
     verify(new)
-    assert result.changed and result.stats == {"gdn_layer": layers} and layers == 2
+    assert result.changed and result.stats == {"gdn_layer": layers, "gdn_layer_grouped": 0} and layers == 2
     fused = new.find(GatedDeltaNet)
     assert len(fused) == layers
     assert not new.find(CausalConv1d) and not new.find(GdnGates) and not new.find(GdnRecurrence)
@@ -149,7 +149,7 @@ GOLDEN_AFTER = """graph @gdn {
   %7 = param "conv1d" : f32[10,4]
   %8 = param "A_log" : f32[2]
   %9 = param "dt_bias" : f32[2]
-  %10, %11, %12 = gated_delta_net(%0, %1, %2, %5, %7, %8, %9, %6, %3, %4) {mode="auto", chunk_size=64} : f32[T,2,3], f32[S,10,3], f32[S,2,2,3]
+  %10, %11, %12 = gated_delta_net(%0, %1, %2, %5, %7, %8, %9, %6, %3, %4) {mode="auto", chunk_size=64, groups=1} : f32[T,2,3], f32[S,10,3], f32[S,2,2,3]
   return o=%10, conv_state=%11, state=%12
 }"""
 

@@ -19,15 +19,16 @@ from qcompile.passes.moe_allgather_rs import MOE_ALLGATHER_RS
 
 
 def lay_out(graph: Graph, mesh: Mesh, concurrency: int, max_context: int, gather_moe: bool = True,
-            hierarchical: bool = True) -> Graph:
+            hierarchical: bool = True, layout: str | None = None) -> Graph:
     """`graph` laid out on `mesh` by gqa-sharding, its MoE layers as all-gather/reduce-scatter (moe-allgather-rs), in
     two stages on a two-level mesh (hierarchical-collectives, unless `hierarchical` is False); with `gather_moe`
-    False, as gqa-sharding's all-to-all dispatch. The input graph is not modified."""
+    False, as gqa-sharding's all-to-all dispatch; `layout` names gqa-sharding's plan (dp4xtp2, ...) instead of its
+    choice. The input graph is not modified."""
     if mesh.size == 1:
         return graph
     with_mesh = Graph(graph.dag, graph.outputs, {**graph.meta, "mesh": mesh})
     result = GQA_SHARDING.run(with_mesh, PassContext(num_devices=mesh.size, options=(
-        ("concurrency", concurrency), ("max_context", max_context))))
+        ("concurrency", concurrency), ("max_context", max_context), *((("layout", layout),) if layout else ()))))
     if result.skipped:
         raise UsageError(f"--mesh {'x'.join(map(str, mesh.shape))}: cannot lay the model out ({result.skipped})")
     laid_out = result.graph

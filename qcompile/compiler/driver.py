@@ -56,6 +56,7 @@ class CompileOptions:
     weights: str = "copy"  # copy | link | none (qcompile/runtime/artifact.py)
     mesh: Mesh | None = None  # --mesh: the devices the model is laid out on (ir/mesh.py)
     concurrency: int | None = None  # --concurrency: expected concurrent sequences (gqa-sharding; default max_seqs)
+    layout: str | None = None  # --layout: gqa-sharding's plan (dp4xtp2, ...) instead of its choice
 
     @property
     def import_page_size(self) -> int:
@@ -89,6 +90,9 @@ def compile_checkpoint(opts: CompileOptions, emit: Callable[[str], None] = print
             and any(p.name == "gqa-sharding" for p in selected):
         raise UsageError(f"-o with --mesh for --target {opts.target}: laid-out artifacts are exported for the cpu "
                          "target only so far (the export needs the target's devices in this process)")
+    if opts.layout and not any(p.name == "gqa-sharding" for p in selected):
+        raise UsageError(f"--layout {opts.layout}: the passes ({opts.passes}) do not include gqa-sharding, which "
+                         "lays the model out")
     known = {p.name for p in parse_spec("all")} | {"all"}
     unknown_print = [name for name in opts.print_ir_after if name not in known]
     if unknown_print:
@@ -109,6 +113,7 @@ def compile_checkpoint(opts: CompileOptions, emit: Callable[[str], None] = print
                       options=(("concurrency", opts.concurrency or opts.cache.max_seqs),
                                ("max_context", opts.cache.max_context),
                                *((("page_size", opts.page_size),) if opts.page_size is not None else ()),
+                               *((("layout", opts.layout),) if opts.layout else ()),
                                *((("memory_budget", opts.memory_budget),) if opts.memory_budget else ())))
     instruments = Instruments(opts.print_ir_after, opts.print_ir_after_change, opts.dump_dir,
                               emit=lambda text: print(text, file=sys.stderr))

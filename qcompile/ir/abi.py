@@ -226,3 +226,33 @@ def pack_ranked(work: list[WorkItem], *, num_tokens: int, rows: int, max_seqs: i
             item_row[index] = [rank * (rows // ranks) + r for r in local_rows]
     batch = {name: np.concatenate([part[name] for part in parts]) for name in BATCH_INPUTS}
     return batch, item_row
+
+
+#: graph.meta key: caches whose channels a layout regrouped — name -> (axis, sections, groups). Tensor parallelism
+#: splits a GDN layer's conv state [S, q | k | v, K-1] by heads, so each device's contiguous block must hold its own
+#: heads' q, k and v channels: the channels are regrouped as groups × [q_j | k_j | v_j] (`grouped_order`).
+CHANNEL_GROUPS = "channel_groups"
+
+
+def grouped_order(sections, groups: int) -> np.ndarray:
+    """Position i of the grouped layout holds channel `order[i]` of the plain [s0 | s1 | ...] layout: group j holds
+    the j-th 1/groups of every section, sections in order."""
+    starts = np.cumsum([0, *sections[:-1]])
+    return np.concatenate([np.arange(start + j * (size // groups), start + (j + 1) * (size // groups))
+                           for j in range(groups) for start, size in zip(starts, sections)])
+
+
+def to_cache_layout(graph, name: str, value):
+    """A cache in the plain (reference) channel order, put into `graph`'s layout of that cache."""
+    axis, sections, groups = graph.meta.get(CHANNEL_GROUPS, {}).get(name, (None, None, None))
+    if axis is None:
+        return value
+    return value[(slice(None),) * axis + (grouped_order(sections, groups),)]
+
+
+def from_cache_layout(graph, name: str, value):
+    """`graph`'s layout of a cache back in the plain channel order (the inverse of `to_cache_layout`)."""
+    axis, sections, groups = graph.meta.get(CHANNEL_GROUPS, {}).get(name, (None, None, None))
+    if axis is None:
+        return value
+    return value[(slice(None),) * axis + (np.argsort(grouped_order(sections, groups)),)]

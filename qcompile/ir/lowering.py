@@ -14,7 +14,7 @@ from qcompile.errors import QCompileError
 from qcompile.ir.graph import Graph, Value
 from qcompile.ir.ops.core import Input, Param
 from qcompile.ir.printer import describe_node
-from qcompile.ir.registry import LOWERINGS, lowering_rule
+from qcompile.ir.registry import LOCAL_FORMS, LOWERINGS, lowering_rule
 
 
 class LoweringError(QCompileError):
@@ -50,29 +50,41 @@ def lower(graph: Graph, target: str = "reference", taps: dict[str, Value] | None
     `taps` names extra values to return beside the graph's outputs (e.g. the router's choices, for the roofline).
     """
     nodes = list(graph.nodes())
-    rules = {type(node.op): lowering_rule(type(node.op), target) for node in nodes
-             if not isinstance(node.op, (Input, Param))}
+    rules = _rules(graph, nodes, target)
     outputs = {**graph.outputs, **(taps or {})}
 
     def step(params: dict, inputs: dict) -> dict:
         env: dict[Value, object] = {}
-        for node in nodes:
-            op = node.op
-            if isinstance(op, Input):
-                results = (inputs[op.name],)
-            elif isinstance(op, Param):
-                results = (params[op.name],)
-            else:
-                try:
-                    out = rules[type(op)](op, *(env[v] for v in node.operands))
-                except Exception as err:
-                    raise LoweringError(f"while lowering {describe_node(graph, node)}: {err}") from err
-                results = out if isinstance(out, tuple) else (out,)
-            for value, result in zip(node.results, results):
-                env[value] = result
+        _evaluate(graph, nodes, rules, env, params, inputs)
         return {name: env[value] for name, value in outputs.items()}
 
     return step
+
+
+def _rules(graph: Graph, nodes, target: str) -> dict:
+    return {type(node.op): lowering_rule(type(node.op), target) for node in nodes
+            if not isinstance(node.op, (Input, Param))}
+
+
+def _evaluate(graph: Graph, nodes, rules: dict, env: dict, params: dict, inputs: dict, ops: dict | None = None) -> None:
+    """Run `nodes` in order into `env` (values already in `env` are given); `ops` replaces a node's op (by id) —
+    the local form of an op under shard_map."""
+    for node in nodes:
+        op = node.op
+        if isinstance(op, Input):
+            results = (inputs[op.name],)
+        elif isinstance(op, Param):
+            results = (params[op.name],)
+        else:
+            if ops is not None:
+                op = ops.get(node.id, op)
+            try:
+                out = rules[type(op)](op, *(env[v] for v in node.operands))
+            except Exception as err:
+                raise LoweringError(f"while lowering {describe_node(graph, node)}: {err}") from err
+            results = out if isinstance(out, tuple) else (out,)
+        for value, result in zip(node.results, results):
+            env[value] = result
 
 
 def step_function(graph: Graph, target: str = "reference", with_logits: bool = True) -> Callable:
@@ -102,23 +114,60 @@ def target_rules_used(graph: Graph, target: str) -> list[str]:
 def lower_on_mesh(graph: Graph, target: str = "reference", devices=None) -> Callable[[dict, dict], dict]:
     """`fn(params, inputs) -> outputs` over the graph's mesh (meta["mesh"], ir/mesh.py): `lower(graph, target)` run
     inside `jax.shard_map`, each parameter, input and output laid out by its type's sharding (whole where it has
-    none), so every op's rule sees one device's block and the collectives exchange blocks over the mesh axes."""
+    none), so every op's rule sees one device's block and the collectives exchange blocks over the mesh axes.
+
+    Weight preparation (the params-only part of the graph, ir/weights.py) runs before the shard_map, on whole
+    weights: a preparation may move rows between devices' blocks (tensor parallelism permutes a fused projection's
+    columns so each device's block holds its own heads), which no block-local computation could. Its results enter
+    the shard_map laid out by their own types, as prepared weights do once folded. Inside, an op whose attributes
+    name global sizes along a split dim gets its local form (`local_op`: a reshape's target shape).
+    """
     import jax
+
+    from qcompile.ir.weights import params_only
 
     mesh = graph.meta.get("mesh")
     if mesh is None:
         raise QCompileError("the graph has no mesh (meta['mesh']); lower it with lower()")
     spec = lambda type_: mesh.partition_spec(type_.sharding)  # noqa: E731
-    param_specs = {node.op.name: spec(node.op.type) for node in graph.find(Param)}
+    nodes = list(graph.nodes())
+    rules = _rules(graph, nodes, target)
+    pure = params_only(graph)
+    prep_nodes = [n for n in nodes if n.id in pure or isinstance(n.op, Param)]
+    step_nodes = [n for n in nodes if n.id not in pure and not isinstance(n.op, Param)]
+    used = {v for n in step_nodes for v in n.operands} | set(graph.outputs.values())
+    direct = {n.op.name: spec(n.op.type) for n in graph.find(Param) if n.results[0] in used}
+    prepared = {f"%{v.node}.{v.index}": v for n in nodes if n.id in pure for v in n.results if v in used}
+    param_specs = {**direct, **{key: spec(graph.type_of(v)) for key, v in prepared.items()}}
     input_specs = {node.op.name: spec(node.op.type) for node in graph.find(Input)}
     out_specs = {name: spec(graph.type_of(value)) for name, value in graph.outputs.items()}
-    mapped = jax.shard_map(lower(graph, target), mesh=mesh.jax_mesh(devices), in_specs=(param_specs, input_specs),
+    local_ops = {n.id: local for n in step_nodes if (local := local_op(n.op, n.types, mesh)) is not n.op}
+    param_values = {n.results[0]: n.op.name for n in graph.find(Param)}
+
+    def body(params: dict, inputs: dict) -> dict:
+        env: dict[Value, object] = {v: params[key] for key, v in prepared.items()}
+        env.update({v: params[name] for v, name in param_values.items() if name in params})
+        _evaluate(graph, step_nodes, rules, env, params, inputs, local_ops)
+        return {name: env[value] for name, value in graph.outputs.items()}
+
+    mapped = jax.shard_map(body, mesh=mesh.jax_mesh(devices), in_specs=(param_specs, input_specs),
                            out_specs=out_specs, check_vma=False)
 
     def step(params: dict, inputs: dict) -> dict:  # shard_map wants exactly the graph's names
-        return mapped({name: params[name] for name in param_specs}, {name: inputs[name] for name in input_specs})
+        env: dict[Value, object] = {}
+        if prepared:
+            _evaluate(graph, prep_nodes, rules, env, params, inputs)
+        args = {name: params[name] for name in direct}
+        args.update({key: env[v] for key, v in prepared.items()})
+        return mapped(args, {name: inputs[name] for name in input_specs})
 
     return step
+
+
+def local_op(op, result_types, mesh):
+    """`op` as one device's blocks see it (the op's `LOCAL_FORMS` entry; the op itself when it has none)."""
+    form = LOCAL_FORMS.get(type(op))
+    return op if form is None else form(op, result_types, mesh)
 
 
 def is_sharded(graph: Graph) -> bool:

@@ -20,6 +20,10 @@ TYPE_RULES: dict[type, Callable] = {}
 LOWERINGS: dict[tuple[type, str], Callable] = {}
 #: Targets a lowering table can be keyed by.
 LOWERING_TARGETS = ("reference", "cpu", "tpu", "gpu")
+#: op class -> fn(op, result_types, mesh) -> op: the op as one device's blocks see it inside `jax.shard_map`, for ops
+#: whose attributes name global sizes along a dim that can be split (a reshape's target shape). Ops without an entry
+#: are size-agnostic: their rules read sizes off their operands.
+LOCAL_FORMS: dict[type, Callable] = {}
 
 
 class OpTypeError(Exception):
@@ -40,6 +44,14 @@ def op(name: str):
 def type_rule(cls):
     def register(fn):
         TYPE_RULES[cls] = fn
+        return fn
+
+    return register
+
+
+def local_form(cls):
+    def register(fn):
+        LOCAL_FORMS[cls] = fn
         return fn
 
     return register

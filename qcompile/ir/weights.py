@@ -41,7 +41,7 @@ PREPARED_PREFIX = "prepared."
 _RECIPE_OUTPUT = "value"
 
 
-def _params_only(graph: Graph) -> set[int]:
+def params_only(graph: Graph) -> set[int]:
     """Ids of the non-leaf nodes whose inputs are all parameters (transitively)."""
     pure: set[int] = set()
     leaves: set[int] = set()
@@ -85,7 +85,7 @@ def fold_weight_preparation(graph: Graph) -> Graph:
     """
     from qcompile.ir.printer import print_graph
 
-    pure = _params_only(graph)
+    pure = params_only(graph)
     if not pure:
         return graph
     step_nodes = [n for n in graph.nodes() if n.id not in pure and not isinstance(n.op, Param)]

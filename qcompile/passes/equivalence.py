@@ -26,8 +26,9 @@ import jax
 import numpy as np
 
 from qcompile.errors import QCompileError
-from qcompile.ir.abi import (LOGITS, NEXT_TOKENS, CacheConfig, WorkItem, data_parallel_ranks, empty_caches,
-                             graph_cache_types, pack_ranked, token_bucket)
+from qcompile.ir.abi import (CHANNEL_GROUPS, LOGITS, NEXT_TOKENS, CacheConfig, WorkItem, data_parallel_ranks, empty_caches,
+                             from_cache_layout, graph_cache_types, pack_ranked, to_cache_layout,
+                             token_bucket)
 from qcompile.ir.graph import Graph
 from qcompile.ir.lowering import local_view, lower_step, whole_view
 from qcompile.ir.printer import print_graph
@@ -38,8 +39,10 @@ CHECK_WORK = (1, 5, 9)  # then: a decode token, a 5-token continuation, a fresh 
 
 
 def structural_hash(graph: Graph) -> str:
-    """Hash of the graph's text form: equal for structurally identical graphs, whatever their node ids."""
-    return hashlib.sha256(print_graph(graph, "g").encode()).hexdigest()
+    """Hash of the graph's text form and its caches' channel layout (ir/abi.py CHANNEL_GROUPS, which the text does
+    not show): equal for structurally identical graphs, whatever their node ids."""
+    layout = repr(sorted(graph.meta.get(CHANNEL_GROUPS, {}).items()))
+    return hashlib.sha256((print_graph(graph, "g") + layout).encode()).hexdigest()
 
 
 _RUNNERS: "weakref.WeakKeyDictionary[Graph, dict]" = weakref.WeakKeyDictionary()
@@ -285,6 +288,7 @@ class EquivalenceChecker:
                 caches = {name: mine.paged_kv(self._reference_layout().logical_kv(np.asarray(value)),
                                               value.shape, np.asarray(value).dtype) if is_kv_pages(name) else value
                           for name, value in caches.items()}
+            caches = {name: to_cache_layout(graph, name, value) for name, value in caches.items()}
             if ranks == 1 and page_size == self.page_size:
                 batch, rows = self.batch, self.rows
             else:
@@ -295,9 +299,10 @@ class EquivalenceChecker:
 
     def comparable(self, graph: Graph, out: dict) -> dict:
         """`graph`'s raw step outputs on the check batch with its KV page caches as each check sequence's logical KV
-        (the form `outputs` compares)."""
+        (the form `outputs` compares) and regrouped channels (tensor parallelism's conv state) in the plain order."""
         after = self._layout(int(graph.meta["page_size"]), advanced=True)
-        return {name: after.logical_kv(value) if is_kv_pages(name) else value for name, value in out.items()}
+        return {name: after.logical_kv(value) if is_kv_pages(name) else from_cache_layout(graph, name, value)
+                for name, value in out.items()}
 
     def _layout(self, page_size: int, advanced: bool = False) -> "_Sequences":
         """The check's sequences in a layout of `page_size` (their lengths after the warm-up, or after the check

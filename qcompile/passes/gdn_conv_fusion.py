@@ -32,6 +32,12 @@ def _columns(name: str) -> Pattern:
     return Pattern(Reshape, (Pattern(Slice, (_CONV,), capture=name),))
 
 
+def _grouped_columns(name: str) -> Pattern:
+    """q, k or v of a conv output regrouped for tensor parallelism: y viewed as [T, groups, C/groups], the same
+    section cut from every group (passes/gqa_sharding.py)."""
+    return Pattern(Reshape, (Pattern(Slice, (Pattern(Reshape, (_CONV,), capture="rows"),), capture=name),))
+
+
 def _gate(index: int) -> Pattern:
     return Pattern(GdnGates, ("a", "b", "a_log", "dt_bias"), index=index)
 
@@ -40,23 +46,37 @@ PATTERN = Pattern(GdnRecurrence, (_columns("q_cols"), _columns("k_cols"), _colum
                                   "state", "query_start", "slots"), results=("o", "state_new"))
 
 
+GROUPED_PATTERN = Pattern(GdnRecurrence, (_grouped_columns("q_cols"), _grouped_columns("k_cols"),
+                                          _grouped_columns("v_cols"), _gate(0), _gate(1), "state", "query_start",
+                                          "slots"), results=("o", "state_new"))
+
+
+def _groups(graph: Graph, c: dict) -> int:
+    return int(graph.type_of(c["rows"]).shape[1]) if "rows" in c else 1
+
+
 def _splits_q_k_v(graph: Graph, c: dict) -> bool:
-    """The slices are y[:, 0:kd], y[:, kd:2kd], y[:, 2kd:C] with kd = Hk·dk (the recurrence's q heads)."""
+    """The slices are y[:, 0:kd], y[:, kd:2kd], y[:, 2kd:C] with kd = Hk·dk (the recurrence's q heads) — or, with y
+    regrouped as [T, g, C/g], the same cuts divided by g along axis 2."""
     q_type = graph.node(c["o"].node).types[0]  # o [T, Hv, dv]
     q_in = graph.type_of(graph.node(c["o"].node).operands[0])  # q [T, Hk, dk]
     kd = q_in.shape[1] * q_in.shape[2]
     width = graph.type_of(c["y"]).shape[1]
+    g = _groups(graph, c)
+    if g > 1 and tuple(graph.type_of(c["rows"]).shape[1:]) != (g, width // g):
+        return False
     expected = {"q_cols": (0, kd), "k_cols": (kd, 2 * kd), "v_cols": (2 * kd, width)}
     for name, (start, stop) in expected.items():
         op = graph.node(c[name].node).op
-        if (op.axis, op.start, op.stop) != (1, start, stop):
+        if (op.axis, op.start, op.stop) != ((1, start, stop) if g == 1 else (2, start // g, stop // g)):
             return False
     return width - 2 * kd == q_type.shape[1] * q_type.shape[2]
 
 
 def _build(b, c):
     recurrence = c.ops["o"]
-    o, conv_state, state = b.add(GatedDeltaNet(recurrence.mode, recurrence.chunk_size), c["x"], c["a"], c["b"],
+    groups = int(b.type_of(c["rows"]).shape[1]) if "rows" in c else 1
+    o, conv_state, state = b.add(GatedDeltaNet(recurrence.mode, recurrence.chunk_size, groups), c["x"], c["a"], c["b"],
                                  c["conv_state"], c["conv_w"], c["a_log"], c["dt_bias"], c["state"], c["query_start"],
                                  c["slots"])
     return {"o": o, "state_new": state, "conv_state_new": conv_state}
@@ -65,6 +85,9 @@ def _build(b, c):
 RULES = [
     RewriteRule("gdn_layer", "recurrence(split(silu(conv(x))), gates(a, b)) = gated_delta_net(x, a, b)", PATTERN,
                 _build, when=_splits_q_k_v, replaces=("conv_state_new",)),
+    RewriteRule("gdn_layer_grouped", "the same with x's channels in groups × [q_j | k_j | v_j] (tensor parallelism) "
+                "= gated_delta_net{groups}(x, a, b)", GROUPED_PATTERN, _build, when=_splits_q_k_v,
+                replaces=("conv_state_new",)),
 ]
 
 

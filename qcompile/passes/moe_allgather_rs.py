@@ -11,6 +11,10 @@ becomes
     rows, groups, order = moe_dispatch_local(x_all, ids_all)         ... the same experts(rows, groups) -> out ...
     y = reduce_scatter(moe_combine(out, order, weights_all)) {over=experts, split=batch}
 
+Under tensor parallelism (gqa-sharding's DP×TP plans) the all-to-alls run over the data-parallel axes and each
+column of a tensor-parallel group sends only its own column's routes; the gathered form gathers over the
+data-parallel axes, reduce-scatters over them, and the all-reduce over `tensor` that follows the combine stays.
+
 Correct because both forms give each device the same routes — the ones whose expert it holds — in the same order
 (token order, grouped by local expert), run them through the same expert ops, and add each token's k weighted
 results in the same order; only where the sum happens moves (on the token's device vs a reduce-scatter of partial
@@ -79,7 +83,7 @@ def run(graph: Graph, ctx: PassContext) -> PassResult:
     layers = [layer for node in graph.find(MoeCombineReturned) if (layer := _match(graph, node, position))]
     if not layers:
         return PassResult(graph, False, {}, skipped="no all-to-all expert dispatch in the graph (gqa-sharding lays "
-                                                     "one out on a mesh of 2+ devices)")
+                                                     "one out on a mesh of 2+ devices with 2+ data-parallel ranks)")
     by_dispatch = {layer.dispatch.id: layer for layer in layers}
     by_combine = {layer.combine.id: layer for layer in layers}
     gathered_weights: dict[int, Value] = {}
@@ -95,15 +99,21 @@ def run(graph: Graph, ctx: PassContext) -> PassResult:
             packed = builder.add(AllGather(0, tokens, send.mesh_axes), builder.add(PackRouting(), weights, ids))
             weights_all, ids_all = builder.add(UnpackRouting(builder.type_of(weights).dtype), packed)
             gathered_weights[layer.combine.id] = weights_all
-            return builder.add(MoeDispatchLocal(send.num_experts, send.over, send.mesh_axes), x_all, ids_all)
+            dispatch = layer.dispatch.op  # its experts' mesh axes (every axis, under tensor parallelism too)
+            return builder.add(MoeDispatchLocal(send.num_experts, dispatch.over, dispatch.mesh_axes), x_all, ids_all)
         if node.id in by_combine:
             layer = by_combine[node.id]
             send = layer.send.op
             t = graph.type_of(node.results[0])
             order = mapping[layer.dispatch.results[2]]
+            tokens = t.sharding.dims[0]
+            # a partial sum over every device's experts: reduce-scattered over the tokens' (data-parallel) axes;
+            # under tensor parallelism what stays is the combine's own partial sum over the group (its all-reduce
+            # follows, unchanged)
+            over = send.over if not send.column_axes else tokens
             partial = builder.add_typed(MoeCombine(), [mapping[layer.out], order, gathered_weights[node.id]],
-                                        [t.with_sharding(Sharding((None,) * t.rank, (send.over,)))])
-            return builder.add_typed(ReduceScatter(0, send.over, send.mesh_axes, t.sharding.dims[0]), [partial], [t])
+                                        [t.with_sharding(Sharding((None,) * t.rank, (over, *t.sharding.partial)))])
+            return builder.add_typed(ReduceScatter(0, over, send.mesh_axes, tokens), [partial], [t])
         return None  # the all-to-alls, moe_send and moe_return are copied, then dropped as dead
 
     new_graph, _ = rebuild(graph, gather)

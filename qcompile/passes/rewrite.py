@@ -20,7 +20,7 @@ import networkx as nx
 
 from qcompile.ir.builder import Builder
 from qcompile.ir.graph import Graph, Node, Value
-from qcompile.ir.ops.core import Input, Param
+from qcompile.ir.ops.core import Concat, Input, Param, Reshape, Slice
 from qcompile.passes.base import PassResult
 from qcompile.ir.types import TensorType  # noqa: F401 - in annotations
 
@@ -292,3 +292,18 @@ def apply_rules_pass(graph: Graph, rules: list[RewriteRule], not_found: str) -> 
     if new is graph:
         return PassResult(graph, False, fired, skipped=not_found)
     return PassResult(new, True, fired)
+
+
+def regroup_rows(builder: Builder, w: Value, sections, groups: int) -> Value:
+    """Weight preparation for tensor parallelism: the rows of w [s0 | s1 | ..., ...] regrouped as groups × [s0_j |
+    s1_j | ...] (ir/abi.py `grouped_order`), so that each device's contiguous block of rows holds its own part of
+    every section — its heads' q, k and v of a fused projection, its gate and up of a fused SwiGLU weight. Params-only
+    ops: folded into one prepared weight at compile time."""
+    t = builder.type_of(w)
+    rest = tuple(t.shape[1:])
+    parts, start = [], 0
+    for size in sections:
+        part = builder.add(Slice(0, start, start + size), w)
+        parts.append(builder.add(Reshape((groups, size // groups, *rest)), part))
+        start += size
+    return builder.add(Reshape((sum(sections), *rest)), builder.add(Concat(1), *parts))

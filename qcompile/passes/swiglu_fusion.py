@@ -21,7 +21,7 @@ from qcompile.ir.graph import Graph
 from qcompile.ir.ops.core import Activation, Concat, Linear, LinearSwiglu, Mul
 from qcompile.ir.ops.moe import GroupedMatmul, GroupedMatmulSwiglu
 from qcompile.passes.base import Pass, PassContext, PassResult
-from qcompile.passes.rewrite import Pattern, RewriteRule, apply_rules_pass
+from qcompile.passes.rewrite import Pattern, RewriteRule, apply_rules_pass, regroup_rows
 
 
 def _silu(op) -> bool:
@@ -52,8 +52,30 @@ RULES = [
 ]
 
 
+def _dense_split(mesh):
+    """The dense rule on a tensor-parallel graph: gate and up split by rows along a logical axis are fused as
+    [Wg_j ; Wu_j] per device (passes/rewrite.py `regroup_rows`), so each device's block of the fused weight is its
+    own gate and up columns and the kernel's halves stay its own."""
+
+    def build(b, c):
+        split = b.type_of(c["w_gate"]).sharding
+        fused = regroup_rows(b, b.add(Concat(0), c["w_gate"], c["w_up"]), (b.type_of(c["w_gate"]).shape[0],) * 2,
+                             mesh.ways(split.dims[0]))
+        b.annotate(fused, split)
+        return b.add(LinearSwiglu(), c["x"], fused)
+
+    def split_by_rows(graph: Graph, c: dict) -> bool:
+        sharding = graph.type_of(c["w_gate"]).sharding
+        return _same_weight_types(graph, c) and sharding is not None and sharding.dims[0] is not None
+
+    return RewriteRule("dense_split", "[Wg ; Wu] regrouped as [Wg_j ; Wu_j] per device: the same rows, each device's "
+                       "block its own gate and up", _swiglu_pattern(Linear), build, when=split_by_rows)
+
+
 def run(graph: Graph, ctx: PassContext) -> PassResult:
-    return apply_rules_pass(graph, RULES, not_found="no SwiGLU MLP (silu(gate) · up over one input) in the graph")
+    mesh = graph.meta.get("mesh")
+    rules = RULES if mesh is None or not mesh.rules else [RULES[0], _dense_split(mesh), RULES[1]]
+    return apply_rules_pass(graph, rules, not_found="no SwiGLU MLP (silu(gate) · up over one input) in the graph")
 
 
 SWIGLU_FUSION = Pass(

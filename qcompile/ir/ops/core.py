@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from qcompile.ir.cost import Cost, cost, nbytes
-from qcompile.ir.registry import expect, lowering, op, type_rule
+from qcompile.ir.registry import expect, local_form, lowering, op, type_rule
 from qcompile.ir.types import Sharding, TensorType, num_elements_key, np_dtype
 from qcompile.kernels.grouped_matmul import swiglu_halves
 from qcompile.kernels.linear import greedy_cpu, linear_cpu
@@ -147,6 +147,17 @@ class Reshape:
 def _reshape_type(op_, x):
     expect(num_elements_key(x.shape) == num_elements_key(op_.shape), f"reshape {x} to {list(op_.shape)} changes size")
     return x.with_shape(op_.shape)
+
+
+@local_form(Reshape)
+def _local_reshape(op_, result_types, mesh):
+    """The target shape of one device's block: each split dim of fixed size divided by its pieces."""
+    (result,) = result_types
+    if result.sharding is None:
+        return op_
+    shape = tuple(d // mesh.ways(axis) if axis is not None and isinstance(d, int) else d
+                  for d, axis in zip(op_.shape, result.sharding.dims))
+    return op_ if shape == tuple(op_.shape) else attrs.evolve(op_, shape=shape)
 
 
 @lowering(Reshape)

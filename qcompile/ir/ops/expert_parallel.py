@@ -141,12 +141,19 @@ class MoeSend:
     choice j) is written into block d = ids[t,j] // (E/D) — the device that owns its expert along `over` (D = `ways`
     devices) — at the next free row of that block, in token order; the rest of each block is padding (id -1).
     `slot[t*k+j]` = d*C + row says where the route's result comes back (C = the local T*k: no route is ever dropped).
-    The tokens' split (x's first dim) carries over to dim 1 of the blocks and to `slot`."""
+    The tokens' split (x's first dim) carries over to dim 1 of the blocks and to `slot`.
+
+    `column_axes` (tensor parallelism): the devices of a tensor-parallel group hold the same tokens, and the experts
+    are split over ways × (the group's size) devices, ordered (rank, column). A device in column c sends only the
+    routes whose expert lies in column c, to block d = the rank that holds it; its other routes get the slot one past
+    the end (`moe_combine_returned` reads zero there), so each route runs once and the columns' results are partial
+    sums over the group, added by an all-reduce."""
 
     num_experts: int
     ways: int
     over: str
     mesh_axes: tuple[str, ...] = attrs.field(converter=_names)
+    column_axes: tuple[str, ...] = attrs.field(default=(), converter=_names)
 
 
 @type_rule(MoeSend)
@@ -164,16 +171,22 @@ def _send_type(op_, x, ids):
 
 @lowering(MoeSend)
 def _send(op_, x, ids):
-    return send_blocks(x, ids, ids.reshape(-1) // (op_.num_experts // op_.ways), op_.ways)
+    if not op_.column_axes:
+        return send_blocks(x, ids, ids.reshape(-1) // (op_.num_experts // op_.ways), op_.ways)
+    columns = jax.lax.axis_size(op_.column_axes)
+    owner = ids.reshape(-1) // (op_.num_experts // (op_.ways * columns))
+    mine = owner % columns == jax.lax.axis_index(op_.column_axes)
+    return send_blocks(x, ids, jnp.where(mine, owner // columns, op_.ways), op_.ways)
 
 
 def send_blocks(x, ids, dest, ways: int):
-    """moe_send's results with route r going to device dest[r]."""
+    """moe_send's results with route r going to device dest[r]; a route with dest[r] == ways is not sent (its slot
+    is one past the end)."""
     flat = ids.reshape(-1)
     capacity = flat.shape[0]
     earlier = jnp.cumsum(dest[:, None] == jnp.arange(ways)[None, :], axis=0, dtype=jnp.int32)
-    row = jnp.take_along_axis(earlier, dest[:, None], axis=1)[:, 0] - 1  # routes to dest[r] before this one
-    slot = (dest * capacity + row).astype(jnp.int32)
+    row = jnp.take_along_axis(earlier, jnp.minimum(dest, ways - 1)[:, None], axis=1)[:, 0] - 1  # earlier routes there
+    slot = jnp.where(dest < ways, dest * capacity + row, ways * capacity).astype(jnp.int32)
     send = jnp.zeros((ways * capacity, x.shape[1]), x.dtype).at[slot].set(jnp.repeat(x, ids.shape[1], axis=0))
     send_ids = jnp.full((ways * capacity,), -1, jnp.int32).at[slot].set(flat)
     return send.reshape(ways, capacity, x.shape[1]), send_ids.reshape(ways, capacity), slot
@@ -196,8 +209,8 @@ class MoeDispatchReceived:
 def _dispatch_received_type(op_, recv, recv_ids):
     expect(recv.rank == 3 and recv_ids.shape == recv.shape[:2] and recv_ids.dtype == "i32",
            f"moe_dispatch_received: {recv}, {recv_ids}")
-    expect(recv.sharding is not None and recv.sharding.dims[0] == op_.over,
-           f"moe_dispatch_received: {recv} must be split along {op_.over!r} in dim 0 (the all-to-all's result)")
+    expect(recv.sharding is not None and recv.sharding.dims[0] is not None,
+           f"moe_dispatch_received: {recv} must be split in dim 0 (the all-to-all's result)")
     rows = recv.shape[1]
     return (TensorType(recv.dtype, (rows, recv.shape[2])),
             TensorType("i32", (op_.num_experts,), sharding=Sharding((op_.over,))), TensorType("i32", (rows,)))
@@ -233,7 +246,8 @@ def _return(op_, out, order):
 @attrs.frozen
 class MoeCombineReturned:
     """moe_combine_returned(back[D,T*k,H], slot i32[T*k], weights[T,k]) -> [T,H]: each route's result read back from
-    its `slot` (moe_send) and combined as moe_combine combines, on the tokens' own device."""
+    its `slot` (moe_send) and combined as moe_combine combines, on the tokens' own device; a slot past the end (a
+    route another column of a tensor-parallel group sent) reads zero."""
 
 
 @type_rule(MoeCombineReturned)
@@ -248,7 +262,8 @@ def _combine_returned_type(op_, back, slot, weights):
 @lowering(MoeCombineReturned)
 def _combine_returned(op_, back, slot, weights):
     tokens, k = weights.shape
-    routes = jnp.take(back.reshape(-1, back.shape[-1]), slot, axis=0).reshape(tokens, k, back.shape[-1])
+    routes = jnp.take(back.reshape(-1, back.shape[-1]), slot, axis=0, mode="fill", fill_value=0)  # unsent: zero
+    routes = routes.reshape(tokens, k, back.shape[-1])
     return weighted_route_sum(routes, weights)
 
 

@@ -6,9 +6,10 @@ from __future__ import annotations
 import attrs
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from qcompile.ir.cost import Cost, cost, nbytes
-from qcompile.ir.registry import expect, lowering, op, type_rule
+from qcompile.ir.registry import expect, local_form, lowering, op, type_rule
 from qcompile.ir.types import TensorType
 from qcompile.kernels.causal_conv1d import causal_conv1d_cpu, causal_conv1d_reference
 from qcompile.kernels.gdn_fused import gates, gdn_fused_cpu, gdn_fused_reference, recurrence
@@ -124,11 +125,14 @@ class GatedDeltaNet:
     The GDN layer's core as one op (the gdn-conv-fusion pass): causal_conv1d(silu) of x, its columns split as
     [q: Hk·dk | k: Hk·dk | v: Hv·dv], gdn_gates(a, b, A_log, dt_bias), then gdn_recurrence — the same function as
     those ops in sequence. Both states may be f32 or bf16 (computed in f32). Padding rows give 0. `mode` as
-    gdn_recurrence's.
+    gdn_recurrence's. `groups` > 1: x's channels (and the conv weight's and conv state's) are laid out as groups ×
+    [q_j | k_j | v_j] (ir/abi.py `grouped_order`) — tensor parallelism's layout, where each device's block is one
+    group and sees `groups` 1 (its local form).
     """
 
     mode: str = attrs.field(default="auto", validator=attrs.validators.in_(MODES))
     chunk_size: int = 64
+    groups: int = attrs.field(default=1, validator=attrs.validators.ge(1))
 
 
 @type_rule(GatedDeltaNet)
@@ -145,16 +149,47 @@ def _gdn_type(op_, x, a, b, conv_state, conv_w, a_log, dt_bias, state, query_sta
            f"{x} does not split into [q | k | v] for {hv} value heads of {dk}x{dv}")
     expect(a.shape == b.shape == (x.shape[0], hv) and a_log.shape == dt_bias.shape == (hv,),
            f"gates {a} {b} {a_log} {dt_bias} do not match {hv} value heads")
+    expect(all(size % op_.groups == 0 for size in (qk // 2, hv * dv)),
+           f"{x}: [q | k | v] does not split into {op_.groups} groups")
     return TensorType(x.dtype, (x.shape[0], hv, dv)), conv_state, state
 
 
+def _plain_channels(rule):
+    """`rule` run on x, conv weight and conv state in the plain [q | k | v] channel order when the op's channels are
+    grouped (groups > 1, outside a mesh), its new conv state regrouped. One group (a device's block) runs as is."""
+
+    def grouped(op_, x, a, b, conv_state, conv_w, a_log, dt_bias, state, query_start, slots):
+        if op_.groups == 1:
+            return rule(op_, x, a, b, conv_state, conv_w, a_log, dt_bias, state, query_start, slots)
+        from qcompile.ir.abi import grouped_order
+
+        values = state.shape[1] * state.shape[3]
+        keys = (x.shape[1] - values) // 2
+        order = grouped_order((keys, keys, values), op_.groups)
+        plain = np.argsort(order)
+        o, conv_new, state_new = rule(op_, x[:, plain], a, b, conv_state[:, plain], conv_w[plain], a_log, dt_bias,
+                                      state, query_start, slots)
+        return o, conv_new[:, order], state_new
+
+    return grouped
+
+
+@local_form(GatedDeltaNet)
+def _local_gdn(op_, result_types, mesh):
+    """A device's block holds groups / (the pieces its heads are split into) groups."""
+    heads = result_types[0].sharding.dims[1] if result_types[0].sharding is not None else None
+    return op_ if heads is None or op_.groups == 1 else attrs.evolve(op_, groups=op_.groups // mesh.ways(heads))
+
+
 @lowering(GatedDeltaNet)
+@_plain_channels
 def _gdn(op_, x, a, b, conv_state, conv_w, a_log, dt_bias, state, query_start, slots):
     return gdn_fused_reference(x, a, b, conv_state, conv_w, a_log, dt_bias, state, query_start, slots, op_.mode,
                                op_.chunk_size)
 
 
 @lowering(GatedDeltaNet, "cpu")
+@_plain_channels
 def _gdn_cpu(op_, x, a, b, conv_state, conv_w, a_log, dt_bias, state, query_start, slots):
     """The native fused kernel (kernels/native/gdn_fused_f32.cc) for f32 activations; else the unfused CPU rules."""
     return gdn_fused_cpu(x, a, b, conv_state, conv_w, a_log, dt_bias, state, query_start, slots, op_.mode,
@@ -208,6 +243,7 @@ def _gdn_cost(op_, operands, results, step):
 
 
 @lowering(GatedDeltaNet, "tpu")
+@_plain_channels
 def _gdn_tpu(op_, x, a, b, conv_state, conv_w, a_log, dt_bias, state, query_start, slots):
     """The Pallas kernel (kernels/pallas_gdn.py): each sequence's state in VMEM across its tokens; decode, prefill and
     mixed batches in one call (every mode computes the same function)."""
