@@ -32,7 +32,7 @@ from qcompile.ir.mesh import parse_mesh_spec
 from qcompile.runtime.model import load_model
 
 EXAMPLES = int(os.environ.get("QCOMPILE_HYPOTHESIS_EXAMPLES", "2"))
-MESHES = ("2", "4", "8", "2x4")  # of the suite's 8 CPU devices (conftest)
+MESHES = ("2", "4", "8", "2x4", "4x2")  # of the suite's 8 CPU devices (conftest); 2, 4 and 4x2 give tensor parallelism
 CANDIDATES = {**PASSES, **{k: v for k, v in toy_passes.GOOD.items() if k not in PASSES}}
 
 
@@ -104,7 +104,8 @@ def test_each_registered_pass_on_fresh_random_configs(config, mesh, tmp_path_fac
     QCOMPILE_PASS_EXAMPLES sets the count, 6 by default at 7-15 s each; the slow tier runs 60): it applies or
     says why not without touching the graph, the verifier holds, the numerics stay within its class against the
     unoptimized graph, and it is idempotent. The graph carries a random mesh of the suite's 8 CPU devices, so
-    gqa-sharding lays it out (KV heads 1-8, expert counts 2-8 that do and do not divide the devices) and is checked
+    gqa-sharding lays it out (KV heads 1-8, expert counts 2-8 that do and do not divide the devices; tensor-parallel
+    plans where the heads split: tp2 on 2, tp4 on 4, dp4xtp2 on 4x2) and is checked
     on the simulated mesh; the other passes ignore the mesh.
     (Fidelity of the unoptimized graph to transformers on random configs is the test above and test_fidelity_fuzz.)"""
     path = write_checkpoint(tmp_path_factory.mktemp("pass") / "m", config, seed=3)
