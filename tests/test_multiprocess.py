@@ -79,6 +79,23 @@ def test_a_laid_out_artifact_runs_and_benches_across_two_processes(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_tensor_parallel_artifact_runs_across_two_processes(tmp_path):
+    """dp4xtp2 on 4x2 split over 2 processes × 4 devices: each process holds 2 data-parallel ranks of one
+    tensor-parallel pair each; the all-reduces stay inside a process, the MoE collectives cross."""
+    path = write_small(tmp_path / "ckpt", "qwen3_next")
+    single = _qcompile("run", str(path), *PROMPTS)
+    assert single.returncode == 0, single.stderr
+    compiled = _qcompile(str(path), "-o", str(tmp_path / "art"), "--mesh", "4x2", "--layout", "dp4xtp2",
+                         "--passes", "all,-bf16-state", "--max-seqs", "8", "--max-context", "32",
+                         "--max-step-tokens", "8")
+    assert compiled.returncode == 0, compiled.stderr
+    assert "plan=dp4xtp2+ep" in compiled.stdout
+    leader, other = _two_processes("run", str(tmp_path / "art"), *PROMPTS)
+    assert leader.returncode == 0 and other.returncode == 0, leader.stderr + other.stderr
+    assert leader.stdout == single.stdout
+
+
+@pytest.mark.slow
 def test_bench_across_two_processes_checks_and_measures(tmp_path):
     path = write_small(tmp_path / "ckpt")
     leader, other = _two_processes("bench", str(path), "--mesh", "2x4", "--concurrency", "4", "--input-len", "8",
