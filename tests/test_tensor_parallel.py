@@ -26,7 +26,7 @@ from qcompile.ir.weights import load_params
 from qcompile.passes.base import PassContext
 from qcompile.passes.equivalence import EquivalenceChecker
 from qcompile.passes.gdn_conv_fusion import GDN_CONV_FUSION
-from qcompile.passes.gqa_sharding import GQA_SHARDING, model_facts, plans, tp_problem
+from qcompile.passes.gqa_sharding import GQA_SHARDING, choose, model_facts, plans, tp_problem
 from qcompile.passes.moe_allgather_rs import MOE_ALLGATHER_RS
 from qcompile.passes.swiglu_fusion import SWIGLU_FUSION
 
@@ -183,6 +183,12 @@ def test_what_cannot_be_laid_out_is_said(small):
     by_name = {p.name: p for p in plans(facts, 8, 8, 64, {2: "", 4: "no", 8: "no"})}
     assert by_name["dp4xtp2+ep"].lowered and not by_name["dp2xtp4+ep"].lowered and "tp8+ep" not in by_name
     assert by_name["dp2xtp4+ep"].to_json()["not_lowered_because"] == "no"
+    # the applied plan is the best of those that can be laid out, by the same rule (not merely the first of them)
+    candidates = plans(facts, 8, 8, 64, {2: "", 4: "replicated KV heads", 8: "no"})
+    best, applied, why = choose(candidates)
+    assert best.name == "dp2xtp4+ep" and applied.name == "dp4xtp2+ep"
+    assert applied.total < next(p for p in candidates if p.name == "dp8+ep").total
+    assert "dp2xtp4+ep cannot be laid out (replicated KV heads), so dp4xtp2+ep is applied" in why
     with pytest.raises(UsageError, match=r"not a plan .* \(plans: dp8\+ep, dp4xtp2\+ep, dp2xtp4\+ep\)"):
         _tp(graph, "4x2", "tp8")
     with pytest.raises(UsageError, match="--layout dp2xtp4: 2 KV heads do not split 4 ways"):

@@ -230,12 +230,17 @@ def plans(facts: ModelFacts, devices: int, concurrency: int, context: int,
     return found
 
 
+def _ranked(candidates: list[Plan]) -> list[Plan]:
+    """Fewest bytes per device first; within 1% of the fewest, fewer collective bytes first."""
+    least = min(p.total for p in candidates)
+    return sorted(candidates, key=lambda p: (p.total > least * 1.01, p.tp_allreduce_bytes + p.moe_bytes, p.total))
+
+
 def choose(candidates: list[Plan]) -> tuple[Plan, Plan, str]:
     """(the best plan, the plan applied, why): least bytes per device; within 1% of it, fewest collective bytes."""
-    least = min(p.total for p in candidates)
-    ranked = sorted(candidates, key=lambda p: (p.total > least * 1.01, p.tp_allreduce_bytes + p.moe_bytes, p.total))
+    ranked = _ranked(candidates)
     best = ranked[0]
-    applied = next(p for p in ranked if p.lowered)
+    applied = _ranked([p for p in candidates if p.lowered])[0]
     runner_up = ranked[1] if len(ranked) > 1 else None
     why = f"{best.name} holds the fewest bytes per device ({best.total / 2**20:.2f} MiB"
     why += f"; next {runner_up.name} {runner_up.total / 2**20:.2f} MiB)" if runner_up else ")"
