@@ -732,6 +732,51 @@ def check_cmd(source, prompts_path, reference, passes_spec, max_new_tokens, min_
               emit=click.echo)
 
 
+@cli.command("plan", context_settings=CONTEXT)
+@click.argument("source", metavar="CONFIG|CHECKPOINT", type=click.Path(path_type=Path))
+@click.option("--target", default="tpu7x", show_default=True, type=click.Choice(["tpu7x", "h200", "cpu"]),
+              help="Hardware description (ir/hardware.py; cpu: this machine, its ceilings measured now).")
+@click.option("--chips", type=click.IntRange(min=1), metavar="N",
+              help="Chips (default: one host: 4 TPU7x chips = 8 devices, 8 H200s, 1 CPU).")
+@click.option("--concurrency", default="64", show_default=True, metavar="C1,C2,...",
+              help="Concurrent sequences to plan for.")
+@click.option("--input-len", type=click.IntRange(min=1), metavar="N",
+              help="Prompt tokens per request (with --output-len: one custom workload instead of prefill-heavy "
+                   "8K/1K and decode-heavy 1K/8K).")
+@click.option("--output-len", type=click.IntRange(min=1), metavar="N", help="Generated tokens per request.")
+@click.option("--passes", "passes_spec", default="all", show_default=True, metavar="SPEC",
+              help="The build to plan; `none` and each single-pass ablation of it are planned beside it.")
+@click.option("--no-ablate", is_flag=True, help="Plan only `none` and --passes.")
+@click.option("--mesh", "mesh_spec", metavar="SPEC",
+              help="Arrange the devices as this mesh (default: chips x devices per chip, e.g. 4x2 for TPU7x); "
+                   "tensor parallelism runs over its innermost axes.")
+@click.option("--json", "json_path", type=click.Path(path_type=Path), metavar="FILE", help="Write the plan as JSON.")
+def plan_cmd(source, target, chips, concurrency, input_len, output_len, passes_spec, no_ablate, mesh_spec,
+             json_path):
+    """Plan a deployment from the config alone: per device, weights by kind, KV pages and GDN state slots at each
+    concurrency, activation peak, whether it fits and how many sequences could; per step, collective bytes; predicted
+    tok/s per chip for prefill-heavy and decode-heavy work at the target's published ceilings — for `none`, --passes
+    and each single-pass ablation. Nothing is read but config.json (or a checkpoint's headers)."""
+    from qcompile.compiler.plan import PlanOptions, run_plan
+    from qcompile.passes.registry import parse_spec
+
+    try:
+        levels = tuple(int(part) for part in concurrency.split(","))
+    except ValueError:
+        raise UsageError(f"--concurrency must be comma-separated integers, got {concurrency!r}") from None
+    if any(level < 1 for level in levels):
+        raise UsageError(f"--concurrency levels must be positive, got {concurrency!r}")
+    parse_spec(passes_spec)
+    if json_path is not None:
+        _check_output_file(json_path, "--json")
+    if not source.exists():
+        raise UsageError(f"{source}: no such file or directory")
+    run_plan(PlanOptions(source=source, target=target, chips=chips, concurrency=levels, input_len=input_len,
+                         output_len=output_len, passes=passes_spec, ablate=not no_ablate, json=json_path,
+                         mesh=mesh_spec),
+             emit=click.echo)
+
+
 def main(argv: list[str] | None = None) -> None:
     try:
         cli.main(args=argv, prog_name="qcompile", standalone_mode=False)

@@ -16,7 +16,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import attrs
-import networkx as nx
 
 from qcompile.ir.builder import Builder
 from qcompile.ir.graph import Graph, Node, Value
@@ -97,10 +96,13 @@ def retype_inputs(graph: Graph, types: dict[str, "TensorType"], evolve_op: Calla
 
 def eliminate_dead_nodes(graph: Graph) -> Graph:
     """Keep only nodes that some output depends on (graph inputs stay: they are the step's interface)."""
-    live = set()
-    for value in graph.outputs.values():
-        live.add(value.node)
-        live |= nx.ancestors(graph.dag, value.node)
+    live = {value.node for value in graph.outputs.values()}
+    stack = list(live)
+    while stack:  # one walk back from every output at once: linear in the graph, however many outputs (caches)
+        for producer in graph.dag.predecessors(stack.pop()):
+            if producer not in live:
+                live.add(producer)
+                stack.append(producer)
     live |= {node.id for node in graph.find(Input)}
     if len(live) == len(graph):
         return graph
