@@ -485,8 +485,9 @@ def _sample_prompts(engine, prompts, max_new_tokens, eos_ids, sampling) -> dict:
               help="tiny: ~0.8M parameters; bench: 514M parameters in the Qwen3.5 3:1 pattern (docs/bench_preset.md); "
                    "qwen3.5-397b, qwen3-next-80b: the published full-size shapes (with --sparse).")
 @click.option("--seed", default=0, show_default=True)
-@click.option("--dtype", type=click.Choice(["f32", "bf16"]), default=None, help="Weight dtype [default: f32; bf16 "
-              "with --sparse].")
+@click.option("--dtype", type=click.Choice(["f32", "bf16", "fp8"]), default=None,
+              help="Weight dtype [default: f32; bf16 with --sparse]. fp8: Qwen's block-scaled FP8 (e4m3, 128x128 "
+                   "blocks, a weight_scale_inv per projection; other tensors bf16).")
 @click.option("--sparse", is_flag=True,
               help="Header-only sharded checkpoint: real safetensors headers, data as file holes that read as zeros "
                    "(full-size compile and memory tests without the disk space; not for numerics).")
@@ -500,6 +501,8 @@ def init_tiny_cmd(directory, family, preset, seed, dtype, sparse, force):
         raise UsageError(f"{directory} already holds a checkpoint; pass --force to overwrite it")
     if sparse:
         dtype = dtype or "bf16"
+        if dtype == "fp8":
+            raise UsageError("--sparse writes bf16 or f32 headers; FP8 checkpoints are written with their values")
         write_sparse_checkpoint(directory, full_config(preset, family, dtype), dtype=dtype)
         click.echo(f"wrote a sparse {family} ({preset}, {dtype}, zeros) to {directory}")
         return

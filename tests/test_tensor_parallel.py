@@ -238,7 +238,7 @@ def test_a_tensor_parallel_artifact_runs_like_the_single_device_model(tmp_path, 
     art = tmp_path / "tp"
     with pytest.raises(SystemExit) as done:
         main([str(path), "--mesh", "4x2", "--layout", "dp4xtp2", "--passes", "all,-bf16-state", "-o", str(art),
-              "--max-seqs", "8", "--max-context", "32", "--max-step-tokens", "8"])
+              "--max-seqs", "8", "--max-context", "32", "--max-step-tokens", "8", "--verify", "final"])
     compiled = capsys.readouterr()
     assert done.value.code == 0, compiled.err
     assert "plan=dp4xtp2+ep" in compiled.out and "gdn_layer_grouped=1" in compiled.out

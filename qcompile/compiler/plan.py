@@ -141,8 +141,9 @@ def abstract_graph(source: Path) -> tuple[Graph, dict, str]:
         raise UsageError(f"{config_path}: cannot read it as JSON ({err})") from None
     quant = raw.get("quantization_config") or (raw.get("text_config") or {}).get("quantization_config")
     if quant:
-        raise UsageError(f"{config_path}: quantized checkpoints ({quant.get('quant_method', 'quantization_config')}) "
-                         "are not read yet; plan the bf16 config of the same model")
+        raise UsageError(f"{config_path}: an FP8 plan needs FP8 weights in memory, which qcompile does not hold yet "
+                         f"({quant.get('quant_method', 'quantized')} checkpoints are dequantized when read); plan the "
+                         "bf16 config of the same model")
     if has_weights:
         ckpt = Checkpoint.open(source)
         cfg, shapes, where = ckpt.config, {n: ref.shape for n, ref in ckpt.params.items()}, "checkpoint headers"

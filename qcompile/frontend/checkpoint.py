@@ -10,6 +10,7 @@ opened and executed only when the weight is needed. Opening a 400 GB checkpoint 
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from pathlib import Path
@@ -19,11 +20,14 @@ import numpy as np
 
 from qcompile.errors import CheckpointError
 from qcompile.frontend.config import FULL, ModelConfig, load_config
+from qcompile.frontend.quantization import FP8
 from qcompile.frontend.safetensors_io import TensorStore
 
 # Checkpoint tensor prefixes that are not part of the text forward pass and are skipped silently (spec §2.6).
 IGNORABLE_PREFIXES = ("mtp.", "model.visual.", "model.language_model.mtp.", "visual.")
 FLOAT_DTYPES = {"F32": "f32", "BF16": "bf16", "F16": "f16"}
+#: a source tensor's dtype as `source_dtypes` names it (FP8 ones are read through their scales, quantization.py)
+SOURCE_DTYPES = {**FLOAT_DTYPES, "F8_E4M3": "fp8"}
 
 
 @attrs.frozen
@@ -182,6 +186,8 @@ class Checkpoint:
         params = canonical_params(config, names, prefix)
         used = {s for ref in params.values() for s in ref.sources}
         _validate(store, params, config)
+        if config.quantization is not None:  # FP8 tensors' scales are read with them
+            used |= {config.quantization.scale_name(s) for s in used if store.info(s).dtype == "F8_E4M3"}
         leftover = sorted(names - used)
         ignored = [n for n in leftover if n.startswith(IGNORABLE_PREFIXES)]
         unknown = [n for n in leftover if not n.startswith(IGNORABLE_PREFIXES)]
@@ -207,11 +213,29 @@ class Checkpoint:
         return "." if Path(self.path).is_dir() else os.path.relpath(self.path, config_path.parent)
 
     def source_dtypes(self, name: str) -> set[str]:
-        return {FLOAT_DTYPES[self.store.info(s).dtype] for s in self.params[name].sources}
+        return {SOURCE_DTYPES[self.store.info(s).dtype] for s in self.params[name].sources}
+
+    def _read(self, source: str, start: int | None = None, stop: int | None = None) -> np.ndarray:
+        """One checkpoint tensor (rows [start, stop) along axis 0 when given), FP8 ones multiplied out to f32 with
+        their scales (frontend/quantization.py) — only the rows asked for."""
+        values = np.asarray(self.store.read(source))
+        if start is not None:
+            values = values[start:stop]
+        if values.dtype != FP8:
+            return values
+        quant = self.config.quantization
+        scale = np.asarray(self.store.read(quant.scale_name(source)))
+        offset = 0
+        if start is not None and values.ndim >= 3 or quant.strategy == "channel" and start is not None:
+            scale = scale[start:stop]  # whole blocks of experts, or per-row scales
+        elif start is not None and quant.strategy == "block":  # rows of a 2-D tensor: their row blocks
+            bn = quant.block[0]
+            scale = scale[start // bn:-(-stop // bn) if stop is not None else None]
+            offset = start % bn
+        return quant.dequantize(values, scale, offset)
 
     def _source(self, ref: TensorRef) -> np.ndarray:
-        source = np.asarray(self.store.read(ref.sources[0]))
-        return source if ref.leading is None else source[:ref.leading]
+        return self._read(ref.sources[0], None if ref.leading is None else 0, ref.leading)
 
     def load(self, name: str) -> np.ndarray:
         """Materialise one canonical parameter (reads only the tensors it is made of)."""
@@ -220,20 +244,23 @@ class Checkpoint:
             return self._source(ref).reshape(ref.shape)
         if ref.kind == "rows":
             return np.take(self._source(ref), np.asarray(ref.rows), axis=ref.axis)
-        return np.stack([self.store.read(s) for s in ref.sources])
+        return np.stack([self._read(s) for s in ref.sources])
 
     def load_rows(self, name: str, start: int, stop: int) -> np.ndarray:
         """Rows [start, stop) along axis 0 of one canonical parameter, reading only the source bytes they need (a
         zero-copy view where the source layout allows)."""
         ref = self.params[name]
         if ref.kind == "tensor":
+            if ref.shape[:1] == ref.source_shape[:1] and self.store.info(ref.sources[0]).dtype == "F8_E4M3":
+                stop = ref.shape[0] if stop is None else min(stop, ref.shape[0])
+                return self._read(ref.sources[0], start, stop).reshape((stop - start, *ref.shape[1:]))
             return self._source(ref).reshape(ref.shape)[start:stop]
         if ref.kind == "rows":
             source = self._source(ref)
             if ref.axis == 0:
                 return np.take(source, np.asarray(ref.rows[start:stop], dtype=np.int64), axis=0)
             return np.take(source[start:stop], np.asarray(ref.rows), axis=ref.axis)
-        return np.stack([self.store.read(s) for s in ref.sources[start:stop]])
+        return np.stack([self._read(s) for s in ref.sources[start:stop]])
 
     def release_rows(self, name: str, start: int, stop: int) -> None:
         """Drop this process's mapped pages behind rows [start, stop) of a canonical parameter (load_rows' bytes);
@@ -301,7 +328,28 @@ def _validate(store: TensorStore, params: dict[str, TensorRef], config: ModelCon
                     f"{info.path}: tensor '{source}' has shape {list(info.shape)} but config.json implies "
                     f"{list(ref.source_shape)}"
                 )
-            if info.dtype not in FLOAT_DTYPES:
+            if info.dtype == "F8_E4M3" and config.quantization is not None:
+                _validate_scale(store, source, info, config.quantization)
+            elif info.dtype not in FLOAT_DTYPES:
+                fp8 = " (an FP8 tensor needs a config.json whose quantization_config declares FP8)" \
+                    if info.dtype.startswith("F8") else ""
                 raise CheckpointError(
-                    f"{info.path}: tensor '{source}' has dtype {info.dtype}; weights must be F32, BF16 or F16"
+                    f"{info.path}: tensor '{source}' has dtype {info.dtype}; weights must be F32, BF16 or F16{fp8}"
                 )
+
+
+def _validate_scale(store: TensorStore, source: str, info, quant) -> None:
+    """An FP8 tensor's scale is present, float, and exactly the shape its format implies."""
+    name = quant.scale_name(source)
+    if name not in store:
+        raise CheckpointError(f"{info.path}: FP8 tensor '{source}' has no scale '{name}' ({quant.method} checkpoints "
+                              "store one per quantized weight)")
+    scale = store.info(name)
+    expected = quant.scale_shape(tuple(info.shape))
+    if scale.dtype not in FLOAT_DTYPES:
+        raise CheckpointError(f"{scale.path}: scale '{name}' has dtype {scale.dtype}; scales must be F32, BF16 or F16")
+    if tuple(scale.shape) != expected and not (quant.strategy != "block" and math.prod(scale.shape) == math.prod(
+            expected) and len(scale.shape) <= len(expected)):
+        what = f"blocks of {list(quant.block)}" if quant.strategy == "block" else f"{quant.strategy} scales"
+        raise CheckpointError(f"{scale.path}: scale '{name}' has shape {list(scale.shape)} but {list(info.shape)} in "
+                              f"{what} needs {list(expected)}")

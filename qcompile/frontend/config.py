@@ -16,6 +16,7 @@ from typing import Any
 import attrs
 
 from qcompile.errors import CheckpointError, one_line
+from qcompile.frontend.quantization import Quantization, parse_quantization
 
 FAMILIES = ("qwen3_next", "qwen3_5_moe")
 LINEAR, FULL = "linear_attention", "full_attention"
@@ -56,6 +57,7 @@ class ModelConfig:
     attention_bias: bool
     dtype: str  # checkpoint's declared dtype: f32 | bf16 | f16
     eos_token_ids: tuple[int, ...] = ()  # generation stops after one of these (config, else generation_config.json)
+    quantization: Quantization | None = None  # FP8 checkpoints (frontend/quantization.py)
 
     @property
     def rotary_dim(self) -> int:
@@ -207,6 +209,7 @@ def parse_config(raw: dict, where: str = "config.json") -> ModelConfig:
         attention_bias=bool(text.get("attention_bias", False)),
         dtype=_DTYPE_NAMES.get(str(dtype_name), "bf16" if dtype_name is None else str(dtype_name)),
         eos_token_ids=eos_ids(text.get("eos_token_id", raw.get("eos_token_id")), where) or (),
+        quantization=parse_quantization(raw, where),
     )
     _check_consistency(cfg, where)
     return cfg

@@ -32,6 +32,7 @@ import numpy as np
 from qcompile.errors import UsageError, one_line
 from qcompile.frontend.checkpoint import canonical_params
 from qcompile.frontend.config import parse_config
+from qcompile.frontend.quantization import parse_quantization, quantize
 from qcompile.frontend.safetensors_io import write_safetensors
 from qcompile.frontend.tokenizer import TOKENIZER_FILE, train_tiny_tokenizer
 
@@ -58,7 +59,14 @@ FULL_SIZE = {
                            moe_intermediate_size=512, shared_expert_intermediate_size=512, rope_theta=5000000.0),
 }
 PRESETS.update(FULL_SIZE)
-TORCH_DTYPE = {"f32": "float32", "bf16": "bfloat16"}
+TORCH_DTYPE = {"f32": "float32", "bf16": "bfloat16", "fp8": "bfloat16"}
+#: Qwen's FP8 releases: e4m3 weights in 128 x 128 blocks; what they keep in bf16 (besides norms and 1-D tensors)
+FP8_BLOCK = (128, 128)
+FP8_KEEP = ("lm_head", "embed_tokens", "mlp.gate", "mlp.shared_expert_gate", "linear_attn.in_proj_a",
+            "linear_attn.in_proj_b", "linear_attn.in_proj_ba", "linear_attn.conv1d")
+#: the projections an FP8 checkpoint stores in FP8 (their weight tensors, or the stacked expert tensors)
+FP8_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkvz", "in_proj_qkv", "in_proj_z", "out_proj",
+                   "gate_proj", "up_proj", "down_proj", "gate_up_proj")
 #: Largest checkpoint `init-tiny` fills with random weights; larger presets need --sparse.
 MAX_DENSE_BYTES = 8 << 30
 
@@ -92,11 +100,34 @@ def text_config(preset: str, family: str, dtype: str) -> dict:
 def full_config(preset: str, family: str, dtype: str) -> dict:
     text = text_config(preset, family, dtype)
     if family == "qwen3_next":
-        return {"architectures": ["Qwen3NextForCausalLM"], **text}
-    if family == "qwen3_5_moe":
-        return {"architectures": ["Qwen3_5MoeForConditionalGeneration"], "model_type": "qwen3_5_moe",
-                "text_config": text, "tie_word_embeddings": False, "dtype": TORCH_DTYPE[dtype]}
-    raise UsageError(f"unknown family {family!r}; choose qwen3_5_moe or qwen3_next")
+        config = {"architectures": ["Qwen3NextForCausalLM"], **text}
+    elif family == "qwen3_5_moe":
+        config = {"architectures": ["Qwen3_5MoeForConditionalGeneration"], "model_type": "qwen3_5_moe",
+                  "text_config": text, "tie_word_embeddings": False, "dtype": TORCH_DTYPE[dtype]}
+    else:
+        raise UsageError(f"unknown family {family!r}; choose qwen3_5_moe or qwen3_next")
+    return with_fp8(config) if dtype == "fp8" else config
+
+
+def with_fp8(config: dict, method: str = "fp8", block: tuple[int, int] = FP8_BLOCK, strategy: str = "channel") -> dict:
+    """`config` with a quantization_config: Qwen's block-scaled FP8 (`method` fp8, `block`), or compressed-tensors FP8
+    with per-channel or per-tensor scales (`strategy`)."""
+    if method == "fp8":
+        quant = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                 "weight_block_size": list(block), "modules_to_not_convert": list(FP8_KEEP)}
+    else:
+        quant = {"quant_method": "compressed-tensors", "format": "float-quantized",
+                 "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+                     "num_bits": 8, "type": "float", "strategy": strategy, "symmetric": True, "dynamic": False},
+                     "input_activations": None}},
+                 "ignore": list(FP8_KEEP)}
+    return {**config, "quantization_config": quant}
+
+
+def fp8_stored(name: str) -> bool:
+    """Whether an FP8 checkpoint of ours stores this Hub tensor in FP8 (a projection's weight, not a kept module)."""
+    stem = name[:-len(".weight")] if name.endswith(".weight") else name
+    return stem.endswith(FP8_PROJECTIONS) and not any(f".{keep}" in f".{stem}" for keep in FP8_KEEP)
 
 
 def _init(name: str, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
@@ -120,7 +151,7 @@ def write_tiny(out_dir: str | Path, family: str = "qwen3_5_moe", preset: str = "
     """Write a preset checkpoint: config.json, generation_config.json, model.safetensors and a small real
     tokenizer.json (frontend/tokenizer.py: byte-level BPE, at most 512 ids); return the directory."""
     if dtype not in TORCH_DTYPE:
-        raise UsageError(f"unknown dtype {dtype!r}; choose f32 or bf16")
+        raise UsageError(f"unknown dtype {dtype!r}; choose f32, bf16 or fp8")
     config = full_config(preset, family, dtype)
     out = write_checkpoint(out_dir, config, seed=seed, dtype=dtype)
     try:
@@ -153,11 +184,16 @@ def write_checkpoint(out_dir: str | Path, config: dict, seed: int = 0, dtype: st
     if total > MAX_DENSE_BYTES:
         raise UsageError(f"this checkpoint would hold {total / 1e9:.0f} GB of random weights; pass --sparse for a "
                          "header-only one (zeros, no disk blocks) to test compiling at that size")
+    quant = parse_quantization(config, "config.json")
     _prepare_dir(out)  # before drawing the weights: a bad DIR fails at once, not after minutes (bench preset)
     tensors = {}
     for name in sorted(sources):
         rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
-        tensors[name] = _init(name, sources[name], rng).astype(np.float32).astype(np_dtype)
+        values = _init(name, sources[name], rng).astype(np.float32)
+        if quant is not None and fp8_stored(name):
+            tensors[name], tensors[quant.scale_name(name)] = quantize(values, quant)
+        else:
+            tensors[name] = values.astype(np_dtype)
     generation = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "do_sample": False}
     try:
         write_safetensors(out / "model.safetensors", tensors, metadata={"format": "pt"})
