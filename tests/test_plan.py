@@ -173,3 +173,17 @@ def test_build_specs_and_bad_input(tmp_path, capsys):
         main(["plan", str(config), "--no-ablate", "--concurrency", "8", "--input-len", "100", "--output-len", "20"])
     out = capsys.readouterr().out
     assert done.value.code == 0 and "| all | custom | 8 | dp4xtp2+ep |" in out and "planned in" in out
+
+
+def test_a_cpu_plan_uses_xla_memory_analysis_where_this_host_can_compile(tmp_path):
+    """On the cpu target (one device) the decode step is compiled from abstract arguments and XLA's temporaries
+    stand beside the liveness scan; the activation peak is the larger. Other targets have no compiler here."""
+    path = write_small(tmp_path / "ckpt")
+    report = _plan(path, target="cpu", concurrency=(4,), ablate=False, input_len=16, output_len=8)
+    build = _build(report, "all", "custom", 4)
+    xla = build["xla_decode_memory"]
+    assert xla["tokens"] == 4 and xla["temp_bytes"] > 0 and xla["argument_bytes"] > build["memory_per_device"][
+        "weights_total"]  # the arguments are the weights and the caches
+    assert build["memory_per_device"]["activation_peak"] >= xla["temp_bytes"]
+    tpu = _plan(path, concurrency=(4,), ablate=False, input_len=16, output_len=8)
+    assert _build(tpu, "all", "custom", 4)["xla_decode_memory"] is None

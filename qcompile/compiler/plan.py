@@ -13,6 +13,8 @@ per device, on its own laid-out graph:
   needs at `input + output` tokens of context, and an activation peak (a liveness scan of the step's intermediates at
   the prefill and decode shapes, local shapes, caches excluded since they are updated in place); whether that fits
   the device's memory, and the largest concurrency at that context and the longest context at that concurrency.
+  Where this host can compile the plan's program (a one-device cpu plan), XLA's own memory analysis of the decode
+  step beside it (`xla_decode_memory`: compiled from abstract arguments, nothing allocated).
 - time: each op's cost rule (ir/cost.py: the bytes that must move and the FLOPs) on one device's shapes and work —
   its rank's sequences, the experts it holds, uniform routing — at the target's published ceilings
   (ir/hardware.py), plus each collective's bytes (ring algorithms, as compiler/hlo.py counts compiled ones) at the
@@ -319,7 +321,32 @@ def activation_peak(graph: Graph, sizes: dict[str, int]) -> int:
     return peak
 
 
-def evaluate(graph: Graph, tgt: Target, concurrency: int, input_len: int, output_len: int) -> dict:
+def xla_memory(folded: Graph, sizes: dict[str, int], tokens: int, lowering: str) -> dict | None:
+    """XLA's own memory analysis of one step at `tokens` tokens (all rows): the step compiled for this host from
+    abstract arguments (shapes only: nothing is allocated). Only where this host can compile the plan's program — a
+    cpu plan of one device; None otherwise (another platform's compiler, or a mesh whose devices are not here)."""
+    import jax
+
+    from qcompile.ir.abi import batch_specs, cache_specs
+    from qcompile.ir.lowering import is_sharded, step_function
+
+    if lowering != "cpu" or is_sharded(folded) or jax.default_backend() != "cpu":
+        return None
+    bound = {**sizes, "T": tokens, "R": tokens}
+    params = {n.op.name: jax.ShapeDtypeStruct(n.op.type.bind(bound), np_dtype(n.op.type.dtype))
+              for n in folded.find(Param)}
+    caches = cache_specs(graph_cache_types(folded), bound)
+    batch = batch_specs(tokens, tokens, bound)
+    compiled = jax.jit(step_function(folded, lowering, with_logits=False)).lower(params, caches, batch).compile()
+    analysis = compiled.memory_analysis()
+    if analysis is None:
+        return None
+    return {"tokens": tokens, "temp_bytes": int(analysis.temp_size_in_bytes),
+            "argument_bytes": int(analysis.argument_size_in_bytes), "output_bytes": int(analysis.output_size_in_bytes)}
+
+
+def evaluate(graph: Graph, tgt: Target, concurrency: int, input_len: int, output_len: int,
+             with_xla: bool = True) -> dict:
     """One laid-out build at one concurrency and workload: memory per device, capacity, step times, throughput."""
     folded = fold_weight_preparation(graph)
     ranks, devices = _ranks(folded), _devices(folded)
@@ -334,6 +361,9 @@ def evaluate(graph: Graph, tgt: Target, concurrency: int, input_len: int, output
     decode_sizes = {**sizes, "T": seqs * ranks, "R": seqs * ranks}
     prefill_sizes = {**sizes, "T": input_len * ranks, "R": ranks}
     activations = max(activation_peak(folded, decode_sizes), activation_peak(folded, prefill_sizes))
+    xla = xla_memory(folded, sizes, seqs * ranks, tgt.lowering) if with_xla else None
+    if xla is not None:  # XLA's buffer assignment where we have it (it also counts sort buffers, padding, copies)
+        activations = max(activations, xla["temp_bytes"])
     weight_total = sum(weights.values())
     used = weight_total + kv + state + activations
     free = tgt.memory_bytes - weight_total - activations
@@ -369,6 +399,7 @@ def evaluate(graph: Graph, tgt: Target, concurrency: int, input_len: int, output
         "prefill_step": {"seconds": t_prefill, "tokens": input_len, "bytes": prefill_cost.bytes,
                          "flops": prefill_cost.flops, "collective_bytes": prefill_sent},
         "total_tok_s_per_chip": per_chip * (input_len + output_len), "output_tok_s_per_chip": per_chip * output_len,
+        "xla_decode_memory": xla,
     }
 
 
@@ -424,7 +455,9 @@ def run_plan(opts: PlanOptions, emit=print, progress=None) -> dict:
                 ctx = PassContext(target=tgt.lowering, num_devices=tgt.devices,
                                   options=(("concurrency", concurrency), ("max_context", input_len + output_len)))
                 laid_out, passes = run_structurally(graph, spec, ctx)
-                result = evaluate(laid_out, tgt, concurrency, input_len, output_len)
+                # XLA's memory analysis (a compile) for the planned build only, not for every ablation
+                result = evaluate(laid_out, tgt, concurrency, input_len, output_len,
+                                  with_xla=spec == opts.passes.strip())
                 report["builds"].append({"passes": spec, "workload": workload, "pass_report": passes, **result})
     report["seconds"] = {"build_graph": built, "total": time.perf_counter() - started}
     emit(table(report))
