@@ -53,7 +53,7 @@ from qcompile.ir.builder import Builder
 from qcompile.ir.graph import Graph, Value
 from qcompile.ir.ops.attention import PagedAttention
 from qcompile.ir.ops.collective import AllReduce, AllToAll
-from qcompile.ir.ops.core import Input, Linear, Param, Reshape, Slice
+from qcompile.ir.ops.core import Cast, Input, Linear, LinearF32, Param, Reshape, Slice
 from qcompile.ir.ops.expert_parallel import (MoeCombineReturned, MoeDispatchLocal, MoeDispatchReceived, MoeReturn,
                                              MoeSend)
 from qcompile.ir.ops.gdn import CausalConv1d
@@ -215,10 +215,11 @@ def plans(facts: ModelFacts, devices: int, concurrency: int, context: int,
         state = seqs * facts.state_bytes_per_seq // tp
         weights = facts.expert_bytes // devices + facts.split_bytes // tp + facts.replicated_bytes
         rows = facts.hidden * facts.act_itemsize
-        allreduce = 2 * facts.layers * 2 * (tp - 1) * seqs * rows // tp  # ring all-reduce: 2(n-1)/n of the value
+        partial_rows = facts.hidden * 4  # tensor-parallel partial sums are all-reduced in f32 (LinearF32)
+        allreduce = 2 * facts.layers * 2 * (tp - 1) * seqs * partial_rows // tp  # ring: 2(n-1)/n of the value
         # every token (and its k routes, 2 i32 each) gathered over the data-parallel ranks, the [C, H] partial sums
         # scattered back; under tensor parallelism the group's columns' shares are then all-reduced
-        moe_allreduce = 2 * (tp - 1) * seqs * rows // tp
+        moe_allreduce = 2 * (tp - 1) * seqs * partial_rows // tp
         gathered = concurrency * (rows + 8 * facts.top_k) * (dp - 1) // dp
         moe = facts.moe_layers * (gathered + concurrency * rows * (dp - 1) // dp + moe_allreduce)
         # all-to-all: a rank's C/dp tokens' k routes sent in dp blocks of C/dp·k rows (+ an i32 id each), and back
@@ -453,11 +454,16 @@ def _lay_out(graph: Graph, mesh) -> tuple[Graph, int]:
             arrives = BATCH if tensor else EXPERTS
             returned = builder.add(MoeReturn(ranks, arrives), out, order)
             back = builder.add(AllToAll(1, 0, arrives, mesh.rule(BATCH), split=BATCH), returned)
-            if tensor:  # each column's share: a partial sum over the tensor-parallel group
+            if tensor:  # each column's share: a partial sum over the tensor-parallel group, kept in f32 (LinearF32)
                 t = graph.type_of(node.results[0])
+                if t.dtype != "f32":
+                    back = builder.add(Cast("f32"), back)
                 new = builder.add_typed(MoeCombineReturned(), [back, slots[node.id], weights],
-                                        [t.with_sharding(Sharding((BATCH,) + (None,) * (t.rank - 1), (TENSOR,)))])
+                                        [t.with_dtype("f32").with_sharding(
+                                            Sharding((BATCH,) + (None,) * (t.rank - 1), (TENSOR,)))])
                 new = builder.add(AllReduce(TENSOR, mesh.rule(TENSOR)), new)
+                if t.dtype != "f32":
+                    new = builder.add(Cast(t.dtype), new)
             else:
                 new = builder.add(MoeCombineReturned(), back, slots[node.id], weights)
         elif node.id in cut_of:  # q, k or v of a regrouped conv output: the same section of every group
@@ -480,9 +486,15 @@ def _lay_out(graph: Graph, mesh) -> tuple[Graph, int]:
                                            _propagate(builder, op, operands, new)):
                     if sharding is not None:
                         builder.annotate(value, sharding)
-                if isinstance(op, Linear) and builder.type_of(new).sharding is not None and \
-                        builder.type_of(new).sharding.partial:  # row-parallel: complete the partial sum
+                partial = builder.type_of(new).sharding if isinstance(op, Linear) else None
+                if partial is not None and partial.partial:  # row-parallel: complete the partial sum
+                    dtype = builder.type_of(new).dtype
+                    if dtype != "f32":  # summed in f32 and rounded once, as the whole product is (LinearF32)
+                        new = builder.add(LinearF32(), *operands)
+                        builder.annotate(new, partial)
                     new = builder.add(AllReduce(TENSOR, mesh.rule(TENSOR)), new)
+                    if dtype != "f32":
+                        new = builder.add(Cast(dtype), new)
         new = new if isinstance(new, tuple) else (new,)
         mapping.update(zip(node.results, new))
     for name, value in graph.outputs.items():
@@ -509,9 +521,12 @@ def _gathered_dispatch(builder: Builder, mesh, op: MoeDispatch, x: Value, ids: V
 def _gathered_combine(builder: Builder, mesh, t: TensorType, operands: list, weights: Value) -> Value:
     """... and each device's combine is a partial sum over its experts, added by an all-reduce over `tensor`."""
     out, order, _ = operands
+    if t.dtype != "f32":  # the partial sums in f32, rounded once after the all-reduce (LinearF32)
+        out = builder.add(Cast("f32"), out)
     partial = builder.add_typed(MoeCombine(), [out, order, weights],
-                                [t.with_sharding(Sharding((None,) * t.rank, (TENSOR,)))])
-    return builder.add(AllReduce(TENSOR, mesh.rule(TENSOR)), partial)
+                                [t.with_dtype("f32").with_sharding(Sharding((None,) * t.rank, (TENSOR,)))])
+    total = builder.add(AllReduce(TENSOR, mesh.rule(TENSOR)), partial)
+    return total if t.dtype == "f32" else builder.add(Cast(t.dtype), total)
 
 
 def _propagate(builder: Builder, op, operands: list[Value], results) -> list:
@@ -529,7 +544,7 @@ def _propagate(builder: Builder, op, operands: list[Value], results) -> list:
 
 
 def _result_sharding(op, types: list[TensorType], t: TensorType) -> Sharding | None:
-    if isinstance(op, Linear):
+    if isinstance(op, (Linear, LinearF32)):
         x, w = types
         rows = x.sharding.dims[:-1] if x.sharding is not None else (None,) * (x.rank - 1)
         wdims = w.sharding.dims if w.sharding is not None else (None, None)

@@ -37,6 +37,7 @@ from qcompile.ir.graph import Graph, Node, Value
 from qcompile.ir.ops.collective import AllGather, AllToAll, ReduceScatter
 from qcompile.ir.ops.expert_parallel import (MoeCombineReturned, MoeDispatchLocal, MoeDispatchReceived, MoeReturn,
                                              MoeSend, PackRouting, UnpackRouting)
+from qcompile.ir.ops.core import Cast
 from qcompile.ir.ops.moe import MoeCombine
 from qcompile.ir.types import Sharding
 from qcompile.passes.base import Pass, PassContext, PassResult
@@ -64,7 +65,8 @@ def _producer(graph: Graph, value: Value, kind: type, index: int | None = None) 
 def _match(graph: Graph, combine: Node, position: dict[int, int]) -> _Layer | None:
     """The layer whose combine is `combine`, or None when its producers are not the all-to-all dispatch."""
     back, slot, weights = combine.operands
-    home = _producer(graph, back, AllToAll)
+    widened = _producer(graph, back, Cast)  # tensor parallelism combines in f32
+    home = _producer(graph, widened.operands[0] if widened else back, AllToAll)
     returned = home and _producer(graph, home.operands[0], MoeReturn)
     dispatch = returned and _producer(graph, returned.operands[1], MoeDispatchReceived, index=2)
     send = _producer(graph, slot, MoeSend, index=2)
@@ -111,7 +113,10 @@ def run(graph: Graph, ctx: PassContext) -> PassResult:
             # under tensor parallelism what stays is the combine's own partial sum over the group (its all-reduce
             # follows, unchanged)
             over = send.over if not send.column_axes else tokens
-            partial = builder.add_typed(MoeCombine(), [mapping[layer.out], order, gathered_weights[node.id]],
+            out = mapping[layer.out]
+            if builder.type_of(out).dtype != t.dtype:  # tensor parallelism keeps the partial sums in f32
+                out = builder.add(Cast(t.dtype), out)
+            partial = builder.add_typed(MoeCombine(), [out, order, gathered_weights[node.id]],
                                         [t.with_sharding(Sharding((None,) * t.rank, (over, *t.sharding.partial)))])
             return builder.add_typed(ReduceScatter(0, over, send.mesh_axes, tokens), [partial], [t])
         return None  # the all-to-alls, moe_send and moe_return are copied, then dropped as dead
