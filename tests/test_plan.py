@@ -74,17 +74,17 @@ def test_every_single_pass_ablation_is_planned(tmp_path):
     assert _build(report, "all,-kv-page-resize", "decode-heavy", 64)["page_size"] == 16
 
 
-@pytest.mark.parametrize("name", ["qwen3.5-35b-a3b.json", "qwen3-next-80b-a3b.json"])
-def test_the_other_example_configs_plan_and_fit(name):
-    report = _plan(EXAMPLES / name, concurrency=(64, 512), ablate=False, input_len=1024, output_len=8192)
-    for concurrency in (64, 512):
+@pytest.mark.parametrize("name, levels", [("qwen3.5-35b-a3b.json", (64, 512)), ("qwen3-next-80b-a3b.json", (512,))])
+def test_the_other_example_configs_plan_and_fit(name, levels):
+    report = _plan(EXAMPLES / name, concurrency=levels, ablate=False, input_len=1024, output_len=8192)
+    for concurrency in levels:
         build = _build(report, "all", "decode-heavy", concurrency)
         assert build["plan"] == "dp4xtp2+ep" and build["memory_per_device"]["fits"]
         assert build["max_concurrency_at_context"] >= concurrency
-    # more sequences: more KV per device, more tokens per step, more throughput per chip (the weights are shared)
-    low, high = (_build(report, "all", "decode-heavy", c) for c in (64, 512))
-    assert high["memory_per_device"]["kv_cache"] == 8 * low["memory_per_device"]["kv_cache"]
-    assert high["output_tok_s_per_chip"] > 2 * low["output_tok_s_per_chip"]
+    if len(levels) > 1:  # more sequences: more KV per device, more throughput per chip (the weights are shared)
+        low, high = (_build(report, "all", "decode-heavy", c) for c in levels)
+        assert high["memory_per_device"]["kv_cache"] == 8 * low["memory_per_device"]["kv_cache"]
+        assert high["output_tok_s_per_chip"] > 2 * low["output_tok_s_per_chip"]
 
 
 def test_fp8_configs_are_refused_until_fp8_weights_stay_fp8_in_memory():
