@@ -96,7 +96,6 @@ def test_per_device_bytes_equal_what_jax_places_on_a_device(tmp_path):
     """The plan's weights and KV page bytes per device, computed from the laid-out graph's types, equal the bytes of
     device 0's shards of the arrays an engine actually holds for the same layout (dp4xtp2 on 4x2)."""
     from qcompile.frontend.checkpoint import Checkpoint
-    from qcompile.ir.importer import build_graph
     from qcompile.ir.weights import fold_weight_preparation, load_params
     from qcompile.runtime.engine import CacheConfig, Engine
 
@@ -122,7 +121,6 @@ def test_per_device_bytes_equal_what_jax_places_on_a_device(tmp_path):
     local_pages = engine.sizes["P"] // 4  # the pool split over the 4 data-parallel ranks
     page_bytes = sum(on_device(a) for a in pages.values()) // local_pages
     assert planned["kv_pages_per_device"] * page_bytes == planned["memory_per_device"]["kv_cache"]
-    del build_graph
 
 
 def test_the_decode_step_time_follows_the_bytes_a_device_reads():

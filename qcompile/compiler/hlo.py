@@ -14,7 +14,7 @@ _COLLECTIVE = re.compile(r"=\s*(\(?[a-z0-9]+\[[^\n]*?)\s(all-gather|reduce-scatt
 _GROUPS = re.compile(r"replica_groups=(?:\[\d+,(\d+)\]|\{\{([0-9,]*)\})")
 _SHAPE = re.compile(r"([a-z0-9]+)\[([0-9,]*)\]")
 #: bytes one device sends per byte of the collective's result, in a group of n (ring algorithms)
-_SENT = {"all-gather": lambda n: (n - 1) / n, "reduce-scatter": lambda n: n - 1,
+SENT_PER_RESULT_BYTE = {"all-gather": lambda n: (n - 1) / n, "reduce-scatter": lambda n: n - 1,
          "all-reduce": lambda n: 2 * (n - 1) / n, "all-to-all": lambda n: (n - 1) / n}
 
 
@@ -37,7 +37,7 @@ def collective_stats(hlo_text: str) -> dict[str, dict]:
                 count *= int(d)
             size += count * _BYTES.get(dtype, 4)
         entry = found.setdefault(kind, {"count": 0, "result_bytes": 0, "sent_bytes": 0, "group": n, "by_group": {}})
-        sent = int(size * _SENT[kind](n))
+        sent = int(size * SENT_PER_RESULT_BYTE[kind](n))
         entry["count"] += 1
         entry["result_bytes"] += size
         entry["sent_bytes"] += sent

@@ -36,6 +36,7 @@ from pathlib import Path
 
 import attrs
 
+from qcompile.compiler.hlo import SENT_PER_RESULT_BYTE
 from qcompile.errors import UsageError
 from qcompile.frontend.checkpoint import Checkpoint, canonical_params, resolve_paths
 from qcompile.frontend.config import parse_config
@@ -58,9 +59,6 @@ from qcompile.passes.registry import parse_spec
 #: The field's two workload shapes (input, output tokens per request).
 WORKLOADS = {"prefill-heavy": (8192, 1024), "decode-heavy": (1024, 8192)}
 TARGETS = (*HARDWARE, "cpu")
-#: bytes one device sends per byte of a collective's (local) result, in a group of n (ring algorithms)
-_SENT = {AllGather: lambda n: (n - 1) / n, ReduceScatter: lambda n: n - 1, AllReduce: lambda n: 2 * (n - 1) / n,
-         AllToAll: lambda n: (n - 1) / n}
 _KIND = {AllGather: "all-gather", ReduceScatter: "reduce-scatter", AllReduce: "all-reduce", AllToAll: "all-to-all"}
 
 
@@ -272,11 +270,11 @@ def device_step(graph: Graph, sizes: dict[str, int], step: StepShape, ranks: int
         operands = [(graph.type_of(v), local_shape(graph, graph.type_of(v), graph.type_of(v).bind(bound)))
                     for v in node.operands]
         results = [(t, local_shape(graph, t, t.bind(bound))) for t in node.types]
-        if type(op) in _SENT:
+        if type(op) in _KIND:
             (t, shape), = results
             n = math.prod(mesh.axis_size(a) for a in op.mesh_axes)
             kind = _KIND[type(op)]
-            sent[kind] = sent.get(kind, 0.0) + _nbytes(t, shape) * _SENT[type(op)](n)
+            sent[kind] = sent.get(kind, 0.0) + _nbytes(t, shape) * SENT_PER_RESULT_BYTE[kind](n)
             continue
         rule = COSTS.get(type(op))
         if rule is None:

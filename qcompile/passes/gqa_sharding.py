@@ -251,10 +251,6 @@ def choose(candidates: list[Plan]) -> tuple[Plan, Plan, str]:
     return best, applied, why
 
 
-def _first_dim_split(t: TensorType) -> TensorType:
-    return t.with_sharding(Sharding((BATCH,) + (None,) * (t.rank - 1)))
-
-
 def tensor_axes(mesh, tp: int) -> tuple[str, ...] | None:
     """The innermost mesh axes whose sizes multiply to `tp` — tensor parallelism runs over the fast local axes, data
     parallelism over the rest — or None when no suffix of the mesh's axes has that size."""
