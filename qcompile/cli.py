@@ -110,9 +110,13 @@ def cli():
               help="gqa-sharding's plan instead of its choice: dp8, dp4xtp2, tp2, ... (data-parallel ranks x "
                    "tensor-parallel degree; tensor parallelism runs over the mesh's innermost axes). The report lists "
                    "every plan.")
+@click.option("--fp8", "fp8_mode", type=click.Choice(["keep", "dequantize"]), default="keep", show_default=True,
+              help="An FP8 checkpoint's quantized weights: keep (FP8 in memory and in the artifact, dequantized "
+                   "inside the matmul kernels; one byte a weight) or dequantize (multiplied out to the compute dtype "
+                   "when read; what tensor parallelism needs today).")
 def compile_cmd(checkpoint, passes_spec, output, report_path, dtype, page_size, memory_budget, target, verify,
                 verify_layers, seed, print_ir_after, print_ir_after_change, dump_dir, repro_dir, max_seqs, max_context,
-                max_step_tokens, num_pages, weights_mode, mesh_spec, concurrency, layout):
+                max_step_tokens, num_pages, weights_mode, mesh_spec, concurrency, layout, fp8_mode):
     """Load CHECKPOINT, build and verify the step graph, run and check the selected passes, write the artifact."""
     from qcompile.ir.abi import CacheConfig
 
@@ -142,7 +146,8 @@ def compile_cmd(checkpoint, passes_spec, output, report_path, dtype, page_size, 
         checkpoint=checkpoint, passes=passes_spec, output=output, report=report_path, dtype=dtype,
         page_size=page_size, memory_budget=memory_budget, target=target, verify=verify, verify_layers=verify_layers, seed=seed,
         print_ir_after=tuple(print_ir_after), print_ir_after_change=print_ir_after_change, dump_dir=dump_dir,
-        repro_dir=repro_dir, cache=cache, weights=weights_mode, mesh=mesh, concurrency=concurrency, layout=layout)
+        repro_dir=repro_dir, cache=cache, weights=weights_mode, mesh=mesh, concurrency=concurrency, layout=layout,
+        fp8=fp8_mode)
     report = compile_checkpoint(opts, emit=click.echo)
     click.echo(f"done in {report['compile_seconds']:.1f}s")
 

@@ -81,8 +81,8 @@ def fp8_copy(src: Path, fp8_dir: Path, float_dir: Path, fmt: str, shards: int = 
     (float_dir / "config.json").write_text((src / "config.json").read_text())
 
 
-def _logits(path: Path) -> np.ndarray:
-    engine = load_model(path, "f32", progress=False).engine(CacheConfig(max_seqs=2, max_context=64))
+def _logits(path: Path, fp8: str = "keep") -> np.ndarray:
+    engine = load_model(path, "f32", progress=False, fp8=fp8).engine(CacheConfig(max_seqs=2, max_context=64))
     return engine.step([(engine.add_sequence(), PROMPT)], all_logits=True)[0]
 
 
@@ -105,20 +105,24 @@ def test_fp8_checkpoints_match_transformers_on_the_dequantized_weights(family, f
     assert float(np.abs(hf_oracle.hf_logits(src, PROMPT) - ref).max()) > 10 * bound
 
 
-def test_a_scale_applied_to_the_wrong_blocks_misses_the_bound(hf_checkpoint, tmp_path, monkeypatch):
+@pytest.mark.parametrize("fp8", ["keep", "dequantize"])
+def test_a_scale_applied_to_the_wrong_blocks_misses_the_bound(hf_checkpoint, tmp_path, monkeypatch, fp8):
+    """Both paths: weights kept FP8 (the block scale the graph holds, Quantization.block_scale) and multiplied out
+    when read (Quantization.expand)."""
     src = hf_checkpoint("qwen3_5_moe")
     fp8_copy(src, tmp_path / "fp8", tmp_path / "float", "block")
     ref = hf_oracle.hf_logits(tmp_path / "float", PROMPT)
-    right = Quantization.expand
+    right_expand, right_scale = Quantization.expand, Quantization.block_scale
 
-    def transposed_blocks(self, scale, shape, row_offset=0):  # block (i, j) scaled by block (j, i)'s scale
+    def flipped(self, scale):  # block (i, j) scaled by block (i, last - j)'s scale
         scale = np.asarray(scale)
-        if self.strategy == "block" and scale.shape[-1] > 1 and scale.shape[-2] > 1:
-            scale = np.flip(scale, axis=-1)
-        return right(self, scale, shape, row_offset)
+        return np.flip(scale, axis=-1) if self.strategy == "block" and scale.shape[-1] > 1 else scale
 
-    monkeypatch.setattr(Quantization, "expand", transposed_blocks)
-    error = float(np.abs(_logits(tmp_path / "fp8") - ref).max())
+    monkeypatch.setattr(Quantization, "expand", lambda self, scale, shape, row_offset=0: right_expand(
+        self, flipped(self, scale), shape, row_offset))
+    monkeypatch.setattr(Quantization, "block_scale", lambda self, scale, shape: right_scale(
+        self, flipped(self, scale), shape))
+    error = float(np.abs(_logits(tmp_path / "fp8", fp8) - ref).max())
     assert error > 1e-2 * max(1.0, float(np.abs(ref).max()))
 
 

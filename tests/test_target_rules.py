@@ -16,7 +16,8 @@ from qcompile.ir.ops.attention import PagedAttention
 from qcompile.ir.ops.core import Greedy, Linear, LinearSwiglu
 from qcompile.ir.ops.gdn import CausalConv1d, GatedDeltaNet, GdnRecurrence
 from qcompile.ir.ops.moe import GroupedMatmul, GroupedMatmulSwiglu
-from qcompile.ir.registry import lowering_rule, target_rules
+from qcompile.ir.registry import TAKES_QUANTIZED, lowering_rule, target_rules
+from qcompile.kernels.fp8 import QuantizedWeight, materialized
 
 BOUND = {"f32": 1e-5, "bf16": 1e-2}
 
@@ -133,7 +134,35 @@ def _linear_swiglu_case(rng, batch, dtype):
     return LinearSwiglu(), (x, w)  # w [40, 48]: [gate ; up] of 20 rows each
 
 
-CASES = {"paged_attention": _attention_case, "causal_conv1d": _conv_case, "gdn_recurrence": _gdn_case,
+def _dequantize_case(rng, batch, dtype):
+    """A [6, 40, 24] FP8 weight in blocks of [1, 16, 8] (the last blocks cut short)."""
+    from qcompile.ir.ops.quant import Dequantize
+    from qcompile.ir.types import dtype_name
+
+    values, scale = quantized(rng.standard_normal((6, 40, 24)), (1, 16, 8))
+    return Dequantize((1, 16, 8), dtype_name(dtype)), (values, scale)
+
+
+def quantized(w, block):
+    """(FP8 values, f32 block scale) of float `w` in blocks of `block`: each block's largest magnitude maps to 448."""
+    import math
+
+    import ml_dtypes
+
+    w = np.asarray(w, np.float32)
+    padded = np.zeros([math.ceil(d / b) * b for d, b in zip(w.shape, block)], np.float32)
+    padded[tuple(slice(0, d) for d in w.shape)] = np.abs(w)
+    split = [x for d, b in zip(padded.shape, block) for x in (d // b, b)]
+    peak = padded.reshape(split).max(axis=tuple(range(1, 2 * w.ndim, 2)))
+    scale = np.where(peak > 0, peak / 448.0, 1.0).astype(np.float32)
+    expanded = scale
+    for axis, b in enumerate(block):
+        expanded = np.repeat(expanded, b, axis=axis)
+    expanded = expanded[tuple(slice(0, d) for d in w.shape)]
+    return (w / expanded).astype(ml_dtypes.float8_e4m3fn), scale
+
+
+CASES = {"paged_attention": _attention_case, "dequantize": _dequantize_case, "causal_conv1d": _conv_case, "gdn_recurrence": _gdn_case,
          "linear": _linear_case, "grouped_matmul": _gmm_case, "greedy": _greedy_case,
          "grouped_matmul_swiglu": _gmm_swiglu_case, "linear_swiglu": _linear_swiglu_case,
          "gated_delta_net": _gdn_fused_case}
@@ -168,7 +197,8 @@ def test_target_rule_matches_reference(rule, batch, dtype):
     np_dtype = np.float32 if dtype == "f32" else ml_dtypes.bfloat16
     op, operands = CASES[name](np.random.default_rng(hash((rule, batch)) % 2**32), batch, np_dtype)
     ref = jax.jit(lambda *args: lowering_rule(type(op), "reference")(op, *args))(*operands)  # jit, as lowered
-    got = jax.jit(lambda *args: lowering_rule(type(op), target)(op, *args))(*operands)
+    # (a dequantize's target rule may defer: kernels/fp8.py; what it stands for is compared)
+    got = jax.jit(lambda *args: materialized(lowering_rule(type(op), target)(op, *args)))(*operands)
     refs = ref if isinstance(ref, tuple) else (ref,)
     gots = got if isinstance(got, tuple) else (got,)
     for index, (r, g) in enumerate(zip(refs, gots)):
@@ -184,6 +214,67 @@ def test_target_rule_matches_reference(rule, batch, dtype):
         # reference takes per op: measured up to 1.4e-2 on bf16 random cases.
         bound = 2e-2 if (name, target, dtype) == ("gated_delta_net", "tpu", "bf16") else BOUND[dtype]
         assert err <= bound, f"{rule} {batch} {dtype} output {index}: relative error {err:.3g}"
+
+
+#: blocks of the FP8 weight operand for the rules that take one as it is: Qwen's shape (one block over the tiny dims),
+#: blocks that cut the dims unevenly, per output channel, and one scale per tensor
+FP8_BLOCKS = {"grouped_matmul": [(1, 128, 128), (1, 16, 5), (1, 32, 1), (8, 32, 24)],
+              "grouped_matmul_swiglu": [(1, 128, 128), (1, 16, 5), (1, 32, 1), (8, 32, 24)],
+              "linear": [(128, 128), (16, 20), (1, 48), (40, 48)],
+              "linear_swiglu": [(128, 128), (16, 20), (1, 48), (40, 48)]}
+
+
+def test_every_rule_taking_fp8_weights_has_cases():
+    missing = sorted({cls.op_name for cls, _ in TAKES_QUANTIZED} - set(FP8_BLOCKS))
+    assert not missing, f"rules taking FP8 weights without a case here: {missing}"
+
+
+@pytest.mark.parametrize("rule", [f"{cls.op_name}@{t}" for cls, t in sorted(TAKES_QUANTIZED, key=str)])
+@pytest.mark.parametrize("batch, dtype", [(batch, "f32") for batch in BATCHES] + [("mixed", "bf16")])
+def test_rules_on_fp8_weights_match_the_reference(rule, batch, dtype):
+    """A rule given the deferred FP8 weight (the native kernels dequantize a slab at a time) against the reference
+    rule on the dequantized weight, for every block layout in FP8_BLOCKS; padding rows of a grouped matmul are 0."""
+    import ml_dtypes
+
+    from qcompile.kernels.fp8 import dequantize
+
+    name, target = rule.split("@")
+    np_dtype = np.float32 if dtype == "f32" else ml_dtypes.bfloat16
+    rng = np.random.default_rng(hash((rule, batch, dtype)) % 2**32)
+    op, operands = CASES[name](rng, batch, np_dtype)
+    x, w, *rest = operands
+    for block in FP8_BLOCKS[name]:
+        values, scale = quantized(w, block)
+        weight = dequantize(values, scale, block, np_dtype)
+        ref = jax.jit(lambda *args: lowering_rule(type(op), "reference")(op, *args))(x, weight, *rest)
+        got = jax.jit(lambda x, v, s, *more: lowering_rule(type(op), target)(
+            op, x, QuantizedWeight(v, s, block, np_dtype), *more))(x, values, scale, *rest)
+        r64, g64 = np.asarray(ref, np.float64), np.asarray(got, np.float64)
+        assert r64.shape == g64.shape and np.asarray(ref).dtype == np.asarray(got).dtype
+        rows = _valid_rows(op, operands, ref)
+        err = np.abs(g64[rows] - r64[rows]).max() / np.abs(r64[rows]).max()
+        assert err <= BOUND[dtype], f"{rule} {batch} {dtype} block {block}: relative error {err:.3g}"
+        if isinstance(op, (GroupedMatmul, GroupedMatmulSwiglu)):
+            assert not np.any(g64[rows.stop:]), "padding rows must come back 0"
+
+
+def test_the_native_kernels_read_fp8_weights_as_they_are():
+    """On f32 rows the CPU rules call the FP8 kernels (one byte a weight), not a dequantize followed by the f32 ones."""
+    from qcompile.kernels import native
+
+    op, (x, w) = _linear_case(np.random.default_rng(0), "decode", np.float32)
+    values, scale = quantized(w, (16, 20))
+    hlo = jax.jit(lambda x, v, s: lowering_rule(Linear, "cpu")(op, x, QuantizedWeight(v, s, (16, 20), np.float32))
+                  ).lower(x, values, scale).as_text()
+    if native.ensure("qcompile_linear_fp8"):
+        assert "qcompile_linear_fp8" in hlo and "qcompile_linear_f32" not in hlo
+    op, (rows, w, groups) = _gmm_case(np.random.default_rng(0), "decode", np.float32)
+    values, scale = quantized(w, (1, 16, 8))
+    hlo = jax.jit(lambda r, v, s, g: lowering_rule(GroupedMatmulSwiglu, "cpu")(
+        GroupedMatmulSwiglu(), r, QuantizedWeight(v, s, (1, 16, 8), np.float32), g)).lower(
+        rows, values, scale, groups).as_text()
+    if native.ensure("qcompile_grouped_matmul_swiglu_fp8"):
+        assert "qcompile_grouped_matmul_swiglu_fp8" in hlo
 
 
 def test_a_wrong_target_rule_is_caught(monkeypatch):

@@ -57,6 +57,7 @@ class CompileOptions:
     mesh: Mesh | None = None  # --mesh: the devices the model is laid out on (ir/mesh.py)
     concurrency: int | None = None  # --concurrency: expected concurrent sequences (gqa-sharding; default max_seqs)
     layout: str | None = None  # --layout: gqa-sharding's plan (dp4xtp2, ...) instead of its choice
+    fp8: str = "keep"  # --fp8: an FP8 checkpoint's weights kept FP8 or multiplied out (ir/importer.py build_graph)
 
     @property
     def import_page_size(self) -> int:
@@ -100,7 +101,7 @@ def compile_checkpoint(opts: CompileOptions, emit: Callable[[str], None] = print
                          f"{', '.join(sorted(known - {'all'})) or '(no passes are registered yet)'}")
     ckpt = Checkpoint.open(opts.checkpoint)
     ckpt.warn_unknown()
-    graph = build_graph(ckpt, opts.dtype, opts.import_page_size)
+    graph = build_graph(ckpt, opts.dtype, opts.import_page_size, fp8=opts.fp8)
     emit(_model_line(ckpt, graph))
     if opts.output is not None:  # before minutes of passes and checks: the pipeline keeps the weights' bytes
         from qcompile.compiler.export import check_free_space, weight_bytes
@@ -123,7 +124,8 @@ def compile_checkpoint(opts: CompileOptions, emit: Callable[[str], None] = print
     checked = opts.verify != "none" and (bool(selected) or lowering_checked)
     layers, experts = _check_scope(ckpt, graph, opts, warn) if checked else (None, None)
     check_ckpt = ckpt if experts is None else ckpt.with_experts(experts)
-    check_graph = graph if layers is None else build_graph(check_ckpt, opts.dtype, opts.import_page_size, layers=layers)
+    check_graph = graph if layers is None else build_graph(check_ckpt, opts.dtype, opts.import_page_size, layers=layers,
+                                                                fp8=opts.fp8)
     if opts.mesh is not None:
         check_graph.meta["mesh"] = opts.mesh
     checker = None
@@ -226,7 +228,7 @@ def _check_scope(ckpt: Checkpoint, graph, opts: CompileOptions, warn) -> tuple[t
 
     def slice_bytes(experts: int) -> int:
         restricted = ckpt if experts == ckpt.config.num_experts else ckpt.with_experts(experts)
-        return weight_bytes(build_graph(restricted, opts.dtype, opts.import_page_size, layers=layers))
+        return weight_bytes(build_graph(restricted, opts.dtype, opts.import_page_size, layers=layers, fp8=opts.fp8))
 
     whole = weight_bytes(graph)
     cfg = ckpt.config

@@ -38,7 +38,7 @@ import attrs
 
 from qcompile.compiler.hlo import SENT_PER_RESULT_BYTE
 from qcompile.errors import UsageError
-from qcompile.frontend.checkpoint import Checkpoint, canonical_params, resolve_paths
+from qcompile.frontend.checkpoint import Checkpoint, canonical_fp8, canonical_params, resolve_paths
 from qcompile.frontend.config import parse_config
 from qcompile.frontend.tiny import hub_tensors
 from qcompile.ir.abi import graph_cache_types
@@ -139,22 +139,23 @@ def abstract_graph(source: Path) -> tuple[Graph, dict, str]:
         raise UsageError(f"{config_path}: no such file") from None
     except (OSError, ValueError) as err:
         raise UsageError(f"{config_path}: cannot read it as JSON ({err})") from None
-    quant = raw.get("quantization_config") or (raw.get("text_config") or {}).get("quantization_config")
-    if quant:
-        raise UsageError(f"{config_path}: an FP8 plan needs FP8 weights in memory, which qcompile does not hold yet "
-                         f"({quant.get('quant_method', 'quantized')} checkpoints are dequantized when read); plan the "
-                         "bf16 config of the same model")
     if has_weights:
         ckpt = Checkpoint.open(source)
         cfg, shapes, where = ckpt.config, {n: ref.shape for n, ref in ckpt.params.items()}, "checkpoint headers"
+        fp8 = tuple((n, block) for n in ckpt.params if (block := ckpt.fp8_block(n)) is not None)
     else:
         cfg = parse_config(raw, str(config_path))
         sources = hub_tensors(raw)
         prefix = "model.language_model." if raw.get("model_type") == "qwen3_5_moe" else "model."
-        shapes = {n: ref.shape for n, ref in canonical_params(cfg, set(sources), prefix).items()}
+        refs = canonical_params(cfg, set(sources), prefix)
+        shapes = {n: ref.shape for n, ref in refs.items()}
+        quant = cfg.quantization
+        fp8 = () if quant is None else tuple(
+            (n, block) for n, ref in refs.items()
+            if (block := canonical_fp8(quant, ref, lambda s: quant.stores_fp8(s, sources[s]))[0]) is not None)
         where = "config.json (tensor shapes derived from it)"
     dtype = cfg.dtype if cfg.dtype in ("f32", "bf16") else "bf16"
-    graph = import_graph(cfg, shapes, ImportOptions(dtype=dtype, page_size=DEFAULT_PAGE_SIZE))
+    graph = import_graph(cfg, shapes, ImportOptions(dtype=dtype, page_size=DEFAULT_PAGE_SIZE, fp8_blocks=fp8))
     verify(graph)
     return graph, raw, where
 
@@ -262,13 +263,14 @@ def device_step(graph: Graph, sizes: dict[str, int], step: StepShape, ranks: int
     experts (1/D of them under uniform routing)."""
     mesh = graph.meta.get("mesh")
     bound = {**sizes, "T": step.tokens * ranks, "R": step.rows * ranks}
+    read_as = dequantized_reads(graph)
     total, sent = Cost(), {}
     for node in graph.nodes():
         op = node.op
         if isinstance(op, (Input, Param)):
             continue
-        operands = [(graph.type_of(v), local_shape(graph, graph.type_of(v), graph.type_of(v).bind(bound)))
-                    for v in node.operands]
+        types = [read_as.get(v) or graph.type_of(v) for v in node.operands]
+        operands = [(t, local_shape(graph, t, t.bind(bound))) for t in types]
         results = [(t, local_shape(graph, t, t.bind(bound))) for t in node.types]
         if type(op) in _KIND:
             (t, shape), = results
@@ -287,6 +289,13 @@ def device_step(graph: Graph, sizes: dict[str, int], step: StepShape, ranks: int
     return total, sent
 
 
+def dequantized_reads(graph: Graph) -> dict:
+    """Value -> the type its consumers read it as: a dequantized FP8 weight is read as its FP8 values (the matmul
+    rules dequantize in cache; ir/cost.py `step_cost` does the same)."""
+    return {node.results[0]: graph.type_of(node.operands[0]) for node in graph.nodes()
+            if node.op.op_name == "dequantize"}
+
+
 def touched(num_experts: int, held: int, routes: float) -> float:
     """Expected distinct experts among the `held` a device holds that `routes` uniformly routed routes reach."""
     if not num_experts:
@@ -297,7 +306,8 @@ def touched(num_experts: int, held: int, routes: float) -> float:
 def activation_peak(graph: Graph, sizes: dict[str, int]) -> int:
     """The largest sum of live intermediates over the step, on one device's shapes (a liveness scan in program
     order). Cache-shaped values (with a page-pool or state-slot dim) are updated in place and not counted."""
-    order = [n for n in graph.nodes() if not isinstance(n.op, (Input, Param))]
+    # a dequantized FP8 weight is not materialized: the matmul that reads it dequantizes a slab at a time
+    order = [n for n in graph.nodes() if not isinstance(n.op, (Input, Param)) and n.op.op_name != "dequantize"]
     last: dict = {}
     for i, node in enumerate(order):
         for v in node.operands:

@@ -20,7 +20,7 @@ import numpy as np
 
 from qcompile.errors import CheckpointError
 from qcompile.frontend.config import FULL, ModelConfig, load_config
-from qcompile.frontend.quantization import FP8
+from qcompile.frontend.quantization import FP8, SCALE_SUFFIX
 from qcompile.frontend.safetensors_io import TensorStore
 
 # Checkpoint tensor prefixes that are not part of the text forward pass and are skipped silently (spec §2.6).
@@ -215,13 +215,13 @@ class Checkpoint:
     def source_dtypes(self, name: str) -> set[str]:
         return {SOURCE_DTYPES[self.store.info(s).dtype] for s in self.params[name].sources}
 
-    def _read(self, source: str, start: int | None = None, stop: int | None = None) -> np.ndarray:
+    def _read(self, source: str, start: int | None = None, stop: int | None = None, raw: bool = False) -> np.ndarray:
         """One checkpoint tensor (rows [start, stop) along axis 0 when given), FP8 ones multiplied out to f32 with
-        their scales (frontend/quantization.py) — only the rows asked for."""
+        their scales (frontend/quantization.py) — only the rows asked for — unless `raw`."""
         values = np.asarray(self.store.read(source))
         if start is not None:
             values = values[start:stop]
-        if values.dtype != FP8:
+        if values.dtype != FP8 or raw:
             return values
         quant = self.config.quantization
         scale = np.asarray(self.store.read(quant.scale_name(source)))
@@ -234,37 +234,62 @@ class Checkpoint:
             offset = start % bn
         return quant.dequantize(values, scale, offset)
 
-    def _source(self, ref: TensorRef) -> np.ndarray:
-        return self._read(ref.sources[0], None if ref.leading is None else 0, ref.leading)
+    def _source(self, ref: TensorRef, raw: bool = False) -> np.ndarray:
+        return self._read(ref.sources[0], None if ref.leading is None else 0, ref.leading, raw)
 
-    def load(self, name: str) -> np.ndarray:
-        """Materialise one canonical parameter (reads only the tensors it is made of)."""
+    def load(self, name: str, raw: bool = False) -> np.ndarray:
+        """Materialise one canonical parameter (reads only the tensors it is made of). `raw`: a kept FP8 weight's
+        FP8 values (`fp8_block`); a name ending in SCALE_SUFFIX is that weight's block scale."""
+        if name.endswith(SCALE_SUFFIX):
+            return self.load_fp8_scale(name[:-len(SCALE_SUFFIX)])
         ref = self.params[name]
         if ref.kind == "tensor":
-            return self._source(ref).reshape(ref.shape)
+            return self._source(ref, raw).reshape(ref.shape)
         if ref.kind == "rows":
-            return np.take(self._source(ref), np.asarray(ref.rows), axis=ref.axis)
-        return np.stack([self._read(s) for s in ref.sources])
+            return np.take(self._source(ref, raw), np.asarray(ref.rows), axis=ref.axis)
+        return np.stack([self._read(s, raw=raw) for s in ref.sources])
 
-    def load_rows(self, name: str, start: int, stop: int) -> np.ndarray:
+    def load_rows(self, name: str, start: int, stop: int, raw: bool = False) -> np.ndarray:
         """Rows [start, stop) along axis 0 of one canonical parameter, reading only the source bytes they need (a
         zero-copy view where the source layout allows)."""
+        if name.endswith(SCALE_SUFFIX):
+            return self.load(name)[start:stop]
         ref = self.params[name]
         if ref.kind == "tensor":
             if ref.shape[:1] == ref.source_shape[:1] and self.store.info(ref.sources[0]).dtype == "F8_E4M3":
                 stop = ref.shape[0] if stop is None else min(stop, ref.shape[0])
-                return self._read(ref.sources[0], start, stop).reshape((stop - start, *ref.shape[1:]))
-            return self._source(ref).reshape(ref.shape)[start:stop]
+                return self._read(ref.sources[0], start, stop, raw).reshape((stop - start, *ref.shape[1:]))
+            return self._source(ref, raw).reshape(ref.shape)[start:stop]
         if ref.kind == "rows":
-            source = self._source(ref)
+            source = self._source(ref, raw)
             if ref.axis == 0:
                 return np.take(source, np.asarray(ref.rows[start:stop], dtype=np.int64), axis=0)
             return np.take(source[start:stop], np.asarray(ref.rows), axis=ref.axis)
-        return np.stack([self._read(s) for s in ref.sources[start:stop]])
+        return np.stack([self._read(s, raw=raw) for s in ref.sources[start:stop]])
+
+    def _is_fp8(self, source: str) -> bool:
+        return self.store.info(source).dtype == "F8_E4M3"
+
+    def fp8_block(self, name: str) -> tuple[int, ...] | None:
+        """The block layout a canonical weight keeps its FP8 values in (each axis's block extent; its scale from
+        `load_fp8_scale`), or None: not FP8, or a reshape of its tensor (multiplied out when read instead). Read
+        off the headers: nothing is loaded."""
+        return canonical_fp8(self.config.quantization, self.params[name], self._is_fp8)[0]
+
+    def load_fp8_scale(self, name: str) -> np.ndarray:
+        """The f32 block scale of kept FP8 weight `name`, one entry per block of `fp8_block(name)`."""
+        quant = self.config.quantization
+        block, scale = canonical_fp8(quant, self.params[name], self._is_fp8,
+                                     lambda source: self.store.read(quant.scale_name(source)))
+        if block is None:
+            raise KeyError(f"{name} is not kept in FP8")
+        return scale
 
     def release_rows(self, name: str, start: int, stop: int) -> None:
         """Drop this process's mapped pages behind rows [start, stop) of a canonical parameter (load_rows' bytes);
         see TensorStore.release. Streaming a checkpoint larger than memory keeps the resident set bounded this way."""
+        if name.endswith(SCALE_SUFFIX):
+            return  # scales are small and read whole
         ref = self.params[name]
         if ref.kind == "stack":
             for source in ref.sources[start:stop]:
@@ -309,6 +334,39 @@ class Checkpoint:
             shown = ", ".join(self.unknown[:3]) + (" ..." if len(self.unknown) > 3 else "")
             print(f"qcompile: warning: {len(self.unknown)} checkpoint tensors are not used by the model: {shown}",
                   file=stream)
+
+
+def canonical_fp8(quant, ref: TensorRef, is_fp8, read_scale=None) -> tuple[tuple[int, ...] | None, np.ndarray | None]:
+    """(block, scale) of a canonical weight kept in FP8 (the scale only with `read_scale(source)`, which reads a
+    source's stored scale), or (None, None) when its sources are not all FP8 (`is_fp8(source)`) or it is a reshape.
+    The sources' block layouts (quantization.py `source_block`) carry over: stacked tensors gain a block of 1 along
+    the stacking axis; rows taken along an axis keep whole blocks when they are one range starting and ending on
+    block edges, and otherwise make the scale per-row along that axis (blocks of 1) before taking them."""
+    if quant is None or not all(is_fp8(source) for source in ref.sources):
+        return None, None
+    if ref.kind == "tensor" and ref.shape[1:] != ref.source_shape[1:]:
+        return None, None  # a reshape (the conv weight): multiplied out when read
+    block = list(quant.source_block(ref.source_shape))
+    scale = None
+    if read_scale is not None:
+        scales = [quant.block_scale(read_scale(s), ref.source_shape) for s in ref.sources]
+        scale = np.stack(scales) if ref.kind == "stack" else scales[0]
+    if ref.kind == "stack":
+        return (1, *block), scale
+    if ref.leading is not None:  # the first `leading` entries along axis 0 (Checkpoint.with_experts)
+        scale = None if scale is None else scale[:math.ceil(ref.leading / block[0])]
+    if ref.kind == "rows":
+        axis, rows, size = ref.axis, list(ref.rows), ref.source_shape[ref.axis]
+        b = block[axis]
+        whole = rows == list(range(rows[0], rows[0] + len(rows))) and rows[0] % b == 0 and (
+            (rows[-1] + 1) % b == 0 or rows[-1] + 1 == size)
+        if whole and scale is not None:
+            scale = np.take(scale, np.arange(rows[0] // b, math.ceil((rows[-1] + 1) / b)), axis=axis)
+        elif not whole:
+            if scale is not None:
+                scale = np.take(np.repeat(scale, b, axis=axis), np.asarray(rows), axis=axis)
+            block[axis] = 1
+    return tuple(block), None if scale is None else np.ascontiguousarray(scale, np.float32)
 
 
 def _validate(store: TensorStore, params: dict[str, TensorRef], config: ModelConfig) -> None:

@@ -15,10 +15,12 @@ Two formats, named by config.json's `quantization_config` (top level, or in `tex
 Which tensors are quantized is read off the files: an F8_E4M3 tensor needs a config that declares FP8 and a scale
 of exactly the expected shape (a malformed one is exit 65, like every malformed input).
 
-What happens to the values (this module's `dequantize`): they are multiplied out to f32 when read, one tensor — or,
-for a large one, one range of rows — at a time, so weights are never all in memory at once; the model then holds
-them in its compute dtype. Keeping them FP8 in memory, with the dequantization inside the matmul rules, is the next
-step (docs/plan.md, "Not done yet").
+What happens to the values: a canonical weight made of FP8 tensors stays FP8 (frontend/checkpoint.py
+`fp8_block` / `load_fp8_scale`): the graph holds it as f8e4m3 values, an f32 scale with one entry per block, and a
+`dequantize` where it is used (ir/ops/quant.py). Every format is one block layout there — `source_block` gives each
+axis's block extent (Qwen's [1,] 128 × 128; per channel 1 × K; per tensor the whole shape) and `block_scale` the scale
+in that layout. A canonical weight that is a reshape of its tensor (none of the projections) is multiplied out to
+f32 when read (this module's `dequantize`), one tensor — or one range of rows — at a time.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ import numpy as np
 from qcompile.errors import CheckpointError
 
 FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
+#: Suffix of a kept FP8 weight's scale parameter in the graph: "layers.0.self_attn.q_proj" → "….q_proj.fp8_scale".
+SCALE_SUFFIX = ".fp8_scale"
 FP8_MAX = float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)  # 448
 
 
@@ -41,6 +45,18 @@ class Quantization:
     strategy: str  # "block" | "channel" | "tensor"
     block: tuple[int, int] | None = None  # (bn, bk) for "block"
     keep: tuple[str, ...] = ()  # modules_to_not_convert / ignore, as written
+
+    def stores_fp8(self, tensor: str, shape: tuple[int, ...]) -> bool:
+        """Whether a checkpoint in this format holds Hub tensor `tensor` in FP8, judged from its name alone (planning
+        from a config.json, where no file header says): the projections' weights — matrices and stacked experts —
+        except the embedding, the head, the routers and what `keep` lists. A checkpoint's own headers decide
+        otherwise (Checkpoint.fp8_block)."""
+        stem = tensor[:-len(".weight")] if tensor.endswith(".weight") else tensor
+        last = stem.rsplit(".", 1)[-1]
+        if len(shape) < 2 or last in ("embed_tokens", "lm_head", "gate", "shared_expert_gate", "conv1d") or \
+                "norm" in last:
+            return False
+        return not any(f".{keep}." in f".{stem}." or stem.endswith(keep) for keep in self.keep)
 
     def scale_name(self, tensor: str) -> str:
         return tensor + ("_scale_inv" if self.method == "fp8" else "_scale")
@@ -67,6 +83,21 @@ class Quantization:
         if self.strategy == "channel":
             return scale.reshape(*lead, -1, 1)[..., row_offset:row_offset + n, :]
         return scale.reshape(())
+
+    def source_block(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """Each axis's block extent for a quantized tensor of `shape` (see `block_scale`)."""
+        *lead, n, k = shape
+        if self.strategy == "block":
+            return (*(1,) * len(lead), *self.block)
+        if self.strategy == "channel":
+            return (*(1,) * len(lead), 1, k)
+        return tuple(shape)
+
+    def block_scale(self, scale: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+        """The scale of a quantized tensor of `shape` with one entry per block of `source_block(shape)` (the same
+        rank as the tensor), f32."""
+        block = self.source_block(shape)
+        return np.asarray(scale, np.float32).reshape([math.ceil(d / b) for d, b in zip(shape, block)])
 
     def dequantize(self, values: np.ndarray, scale: np.ndarray, row_offset: int = 0) -> np.ndarray:
         """f32 values of FP8 `values` [..., N, K] (rows from `row_offset` of a 2-D tensor when a slice)."""

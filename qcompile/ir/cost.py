@@ -79,12 +79,17 @@ def nbytes(t: TensorType, shape: tuple[int, ...]) -> int:
 def step_cost(graph: Graph, sizes: dict[str, int], step: StepShape) -> Cost:
     """Cost of one step of `graph`: symbolic dims bound by `sizes`, with T and R replaced by the live work."""
     bound = {**sizes, "T": step.tokens, "R": step.rows}
+    # A dequantized FP8 weight is read by its consumer as its FP8 values (the matmul rules dequantize it in cache):
+    # the consumer's rule sees the values' type; the dequantize's own rule counts the scale.
+    read_as = {node.results[0]: graph.type_of(node.operands[0]) for node in graph.nodes()
+               if node.op.op_name == "dequantize"}  # (compiler/plan.py's device step does the same)
     total = Cost()
     for node in graph.nodes():
         rule = COSTS.get(type(node.op))
         if rule is None:
             continue
-        operands = [(graph.type_of(v), graph.type_of(v).bind(bound)) for v in node.operands]
+        types = [read_as.get(v) or graph.type_of(v) for v in node.operands]
+        operands = [(t, t.bind(bound)) for t in types]
         results = [(t, t.bind(bound)) for t in node.types]
         total = total + rule(node.op, operands, results, step)
     return total

@@ -26,10 +26,13 @@ from qcompile.ir.ops.core import (Activation, Add, Cast, Embed, Greedy, Linear, 
                                   Transpose)
 from qcompile.ir.ops.gdn import CausalConv1d, GatedRmsNorm, GdnGates, GdnRecurrence
 from qcompile.ir.ops.moe import GroupedMatmul, MoeCombine, MoeDispatch, RouterTopK
+from qcompile.ir.ops.quant import SCALE_SUFFIX, Dequantize, blocks
 from qcompile.ir.types import TensorType
 
 T, B, R, P, M, S = "T", "B", "R", "P", "M", "S"
 DTYPE_CHOICES = ("f32", "bf16")
+#: what an FP8 checkpoint's quantized weights become: kept FP8 (dequantized inside the matmul rules), or multiplied out
+FP8_CHOICES = ("keep", "dequantize")
 
 
 #: The KV page length a graph is built with when nobody chose one; the kv-page-resize pass picks the target's.
@@ -42,6 +45,8 @@ class ImportOptions:
     page_size: int = DEFAULT_PAGE_SIZE  # KV cache page length in tokens
     gdn_mode: str = "auto"  # gdn_recurrence mode: auto | chunked | recurrent
     layers: tuple[int, ...] | None = None  # import only these layers (a checking slice); None = all
+    #: weights kept in FP8, name -> block (frontend Checkpoint.fp8_block): f8e4m3 values, a block scale, a dequantize
+    fp8_blocks: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
 
 def select_layers(cfg: ModelConfig, per_type: int) -> tuple[int, ...]:
@@ -67,6 +72,7 @@ def cache_names(cfg: ModelConfig, layers: tuple[int, ...] | None = None) -> list
 class _Importer:
     def __init__(self, cfg: ModelConfig, param_shapes: dict[str, tuple[int, ...]], opts: ImportOptions):
         self.cfg, self.shapes, self.opts = cfg, param_shapes, opts
+        self.fp8 = dict(opts.fp8_blocks)
         self.b = Builder()
         dt = opts.dtype
         self.dt = dt
@@ -78,7 +84,13 @@ class _Importer:
         self.logits_indices = self.b.input("logits_indices", TensorType("i32", (R,)))
 
     def param(self, name: str) -> Value:
-        return self.b.param(name, TensorType(self.dt, self.shapes[name]))
+        shape = self.shapes[name]
+        block = self.fp8.get(name)
+        if block is None:
+            return self.b.param(name, TensorType(self.dt, shape))
+        values = self.b.param(name, TensorType("f8e4m3", shape))
+        scale = self.b.param(name + SCALE_SUFFIX, TensorType("f32", blocks(shape, block)))
+        return self.b.add(Dequantize(block, self.dt), values, scale)
 
     def linear(self, x: Value, name: str) -> Value:
         return self.b.add(Linear(), x, self.param(name))
@@ -191,8 +203,10 @@ def import_graph(cfg: ModelConfig, param_shapes: dict[str, tuple[int, ...]],
 
 
 def build_graph(checkpoint: Checkpoint, dtype: str | None = None, page_size: int = DEFAULT_PAGE_SIZE,
-                gdn_mode: str = "auto", layers: tuple[int, ...] | None = None) -> Graph:
-    """The verified, unoptimized step graph of a checkpoint (dtype defaults to the checkpoint's own)."""
+                gdn_mode: str = "auto", layers: tuple[int, ...] | None = None, fp8: str = "keep") -> Graph:
+    """The verified, unoptimized step graph of a checkpoint (dtype defaults to the checkpoint's own). `fp8`: "keep"
+    holds an FP8 checkpoint's quantized weights in FP8 with a dequantize where they are used (ir/ops/quant.py);
+    "dequantize" multiplies them out when read, holding them in the compute dtype."""
     from qcompile.ir.verifier import verify
 
     dtype = dtype or checkpoint.config.dtype
@@ -202,8 +216,12 @@ def build_graph(checkpoint: Checkpoint, dtype: str | None = None, page_size: int
         raise UsageError(f"unsupported compute dtype {dtype!r}; choose one of {', '.join(DTYPE_CHOICES)}")
     if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0 or page_size & (page_size - 1):
         raise UsageError(f"--page-size must be a positive power of two, got {page_size}")
+    if fp8 not in FP8_CHOICES:
+        raise UsageError(f"--fp8 must be one of {', '.join(FP8_CHOICES)}, got {fp8!r}")
     shapes = {name: ref.shape for name, ref in checkpoint.params.items()}
+    kept = () if fp8 != "keep" or checkpoint.config.quantization is None else tuple(
+        (name, block) for name in checkpoint.params if (block := checkpoint.fp8_block(name)) is not None)
     graph = import_graph(checkpoint.config, shapes, ImportOptions(dtype=dtype, page_size=page_size, gdn_mode=gdn_mode,
-                                                                    layers=layers))
+                                                                    layers=layers, fp8_blocks=kept))
     verify(graph)
     return graph

@@ -14,7 +14,8 @@ from qcompile.errors import QCompileError
 from qcompile.ir.graph import Graph, Value
 from qcompile.ir.ops.core import Input, Param
 from qcompile.ir.printer import describe_node
-from qcompile.ir.registry import LOCAL_FORMS, LOWERINGS, lowering_rule
+from qcompile.ir.registry import LOCAL_FORMS, LOWERINGS, lowering_rule, takes_quantized
+from qcompile.kernels.fp8 import QuantizedWeight, materialized
 
 
 class LoweringError(QCompileError):
@@ -48,7 +49,14 @@ def lower(graph: Graph, target: str = "reference", taps: dict[str, Value] | None
     """`fn(params, inputs) -> outputs` with each op lowered by `target`'s rule (the reference rule where it has none).
 
     `taps` names extra values to return beside the graph's outputs (e.g. the router's choices, for the roofline).
+    FP8 weights' layout ops are first applied to their values and scales (ir/fp8_layout.py), so each dequantize
+    meets its matmul as it will once weight preparation is folded (a folded graph is unchanged by this; taps name
+    values of a folded graph).
     """
+    if not taps:
+        from qcompile.ir.fp8_layout import sink_dequantize
+
+        graph = sink_dequantize(graph)
     nodes = list(graph.nodes())
     rules = _rules(graph, nodes, target)
     outputs = {**graph.outputs, **(taps or {})}
@@ -56,14 +64,31 @@ def lower(graph: Graph, target: str = "reference", taps: dict[str, Value] | None
     def step(params: dict, inputs: dict) -> dict:
         env: dict[Value, object] = {}
         _evaluate(graph, nodes, rules, env, params, inputs)
-        return {name: env[value] for name, value in outputs.items()}
+        return {name: materialized(env[value]) for name, value in outputs.items()}
 
     return step
 
 
 def _rules(graph: Graph, nodes, target: str) -> dict:
-    return {type(node.op): lowering_rule(type(node.op), target) for node in nodes
-            if not isinstance(node.op, (Input, Param))}
+    """op class -> its rule for `target`; a rule that does not take deferred FP8 weights (registry TAKES_QUANTIZED)
+    is wrapped to receive them dequantized."""
+    rules = {}
+    for node in nodes:
+        cls = type(node.op)
+        if cls in rules or isinstance(node.op, (Input, Param)):
+            continue
+        rule = lowering_rule(cls, target)
+        rules[cls] = rule if takes_quantized(cls, target) else _dequantizing(rule)
+    return rules
+
+
+def _dequantizing(rule):
+    def run(op, *operands):
+        if any(isinstance(x, QuantizedWeight) for x in operands):
+            operands = [materialized(x) for x in operands]
+        return rule(op, *operands)
+
+    return run
 
 
 def _evaluate(graph: Graph, nodes, rules: dict, env: dict, params: dict, inputs: dict, ops: dict | None = None) -> None:
@@ -124,8 +149,10 @@ def lower_on_mesh(graph: Graph, target: str = "reference", devices=None) -> Call
     """
     import jax
 
+    from qcompile.ir.fp8_layout import sink_dequantize
     from qcompile.ir.weights import params_only
 
+    graph = sink_dequantize(graph)
     mesh = graph.meta.get("mesh")
     if mesh is None:
         raise QCompileError("the graph has no mesh (meta['mesh']); lower it with lower()")
@@ -148,7 +175,7 @@ def lower_on_mesh(graph: Graph, target: str = "reference", devices=None) -> Call
         env: dict[Value, object] = {v: params[key] for key, v in prepared.items()}
         env.update({v: params[name] for v, name in param_values.items() if name in params})
         _evaluate(graph, step_nodes, rules, env, params, inputs, local_ops)
-        return {name: env[value] for name, value in graph.outputs.items()}
+        return {name: materialized(env[value]) for name, value in graph.outputs.items()}
 
     mapped = jax.shard_map(body, mesh=mesh.jax_mesh(devices), in_specs=(param_specs, input_specs),
                            out_specs=out_specs, check_vma=False)
@@ -158,7 +185,7 @@ def lower_on_mesh(graph: Graph, target: str = "reference", devices=None) -> Call
         if prepared:
             _evaluate(graph, prep_nodes, rules, env, params, inputs)
         args = {name: params[name] for name in direct}
-        args.update({key: env[v] for key, v in prepared.items()})
+        args.update({key: materialized(env[v]) for key, v in prepared.items()})
         return mapped(args, {name: inputs[name] for name in input_specs})
 
     return step

@@ -18,6 +18,9 @@ OPS: dict[str, type] = {}
 TYPE_RULES: dict[type, Callable] = {}
 #: (op class, target) -> lowering rule; target "reference" is the op's one semantics.
 LOWERINGS: dict[tuple[type, str], Callable] = {}
+#: (op class, target) of the rules that take a deferred FP8 weight (kernels/fp8.py `QuantizedWeight`) as it is and
+#: dequantize it themselves; every other rule is given the dequantized array (ir/lowering.py).
+TAKES_QUANTIZED: set[tuple[type, str]] = set()
 #: Targets a lowering table can be keyed by.
 LOWERING_TARGETS = ("reference", "cpu", "tpu", "gpu")
 #: op class -> fn(op, result_types, mesh) -> op: the op as one device's blocks see it inside `jax.shard_map`, for ops
@@ -57,7 +60,7 @@ def local_form(cls):
     return register
 
 
-def lowering(cls, target: str = "reference"):
+def lowering(cls, target: str = "reference", takes_quantized: bool = False):
     if target not in LOWERING_TARGETS:
         raise ValueError(f"unknown lowering target {target!r}; one of {LOWERING_TARGETS}")
 
@@ -65,6 +68,8 @@ def lowering(cls, target: str = "reference"):
         if (cls, target) in LOWERINGS:
             raise ValueError(f"{cls.__name__} has two {target} lowering rules")
         LOWERINGS[(cls, target)] = fn
+        if takes_quantized:
+            TAKES_QUANTIZED.add((cls, target))
         return fn
 
     return register
@@ -75,6 +80,11 @@ def lowering_rule(cls, target: str = "reference") -> Callable:
     if target not in LOWERING_TARGETS:
         raise ValueError(f"unknown lowering target {target!r}; one of {LOWERING_TARGETS}")
     return LOWERINGS.get((cls, target)) or LOWERINGS[(cls, "reference")]
+
+
+def takes_quantized(cls, target: str) -> bool:
+    """Whether `lowering_rule(cls, target)` takes deferred FP8 weights (TAKES_QUANTIZED)."""
+    return (cls, target) in TAKES_QUANTIZED
 
 
 def target_rules(target: str | None = None) -> list[tuple[type, str]]:

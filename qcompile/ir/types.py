@@ -22,7 +22,7 @@ import attrs
 import numpy as np
 
 Dim = Union[int, str]
-DTYPES = ("f32", "bf16", "f16", "i32", "bool")
+DTYPES = ("f32", "bf16", "f16", "f8e4m3", "i32", "bool")  # f8e4m3: FP8 weights (ir/ops/quant.py)
 _EXPR = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*([*+][A-Za-z0-9_]+)*$")
 
 
@@ -30,7 +30,8 @@ def np_dtype(name: str):
     """numpy / JAX dtype for an IR dtype name."""
     import ml_dtypes
 
-    return {"f32": np.float32, "bf16": ml_dtypes.bfloat16, "f16": np.float16, "i32": np.int32, "bool": np.bool_}[name]
+    return {"f32": np.float32, "bf16": ml_dtypes.bfloat16, "f16": np.float16, "f8e4m3": ml_dtypes.float8_e4m3fn,
+            "i32": np.int32, "bool": np.bool_}[name]
 
 
 def dtype_name(dtype) -> str:
@@ -38,7 +39,7 @@ def dtype_name(dtype) -> str:
     import ml_dtypes
 
     table = {np.dtype(np.float32): "f32", np.dtype(ml_dtypes.bfloat16): "bf16", np.dtype(np.float16): "f16",
-             np.dtype(np.int32): "i32", np.dtype(np.bool_): "bool"}
+             np.dtype(ml_dtypes.float8_e4m3fn): "f8e4m3", np.dtype(np.int32): "i32", np.dtype(np.bool_): "bool"}
     return table[np.dtype(dtype)]
 
 

@@ -42,13 +42,17 @@ _RECIPE_OUTPUT = "value"
 
 
 def params_only(graph: Graph) -> set[int]:
-    """Ids of the non-leaf nodes whose inputs are all parameters (transitively)."""
+    """Ids of the non-leaf nodes whose inputs are all parameters (transitively), except the dequantizes of FP8
+    weights that stay in the step (ir/fp8_layout.py `kept_dequantizes`: the weight stays FP8 in memory)."""
+    from qcompile.ir.fp8_layout import kept_dequantizes
+
+    kept = kept_dequantizes(graph)
     pure: set[int] = set()
     leaves: set[int] = set()
     for node in graph.nodes():
         if isinstance(node.op, Param):
             leaves.add(node.id)
-        elif not isinstance(node.op, Input) and node.operands and all(
+        elif not isinstance(node.op, Input) and node.id not in kept and node.operands and all(
                 v.node in pure or v.node in leaves for v in node.operands):
             pure.add(node.id)
     return pure
@@ -83,8 +87,10 @@ def fold_weight_preparation(graph: Graph) -> Graph:
 
     Returns the same graph object when there is nothing to fold.
     """
+    from qcompile.ir.fp8_layout import sink_dequantize
     from qcompile.ir.printer import print_graph
 
+    graph = sink_dequantize(graph)  # FP8 weights' layout changes on their values and scales: prepared FP8 stays FP8
     pure = params_only(graph)
     if not pure:
         return graph
@@ -182,30 +188,34 @@ def weight_pieces(checkpoint: Checkpoint, graph: Graph, name: str, piece_bytes: 
     rows = type_.shape[0] if type_.shape else 0
     row_bytes = math.prod(type_.shape[1:]) * np.dtype(dtype).itemsize
     step = max(1, piece_bytes // max(1, row_bytes))
+    raw = type_.dtype == "f8e4m3"  # a weight kept in FP8: its values, not multiplied out
     if recipe_text is None:
         if not rows:
-            yield np.asarray(checkpoint.load(name)).astype(dtype)
+            yield np.asarray(checkpoint.load(name, raw)).astype(dtype)
             return
         for start in range(0, rows, step):
             stop = min(rows, start + step)
-            yield checkpoint.load_rows(name, start, stop).astype(dtype, copy=False)
+            yield checkpoint.load_rows(name, start, stop, raw).astype(dtype, copy=False)
             checkpoint.release_rows(name, start, stop)
         return
     from qcompile.ir.parser import parse_graph
 
     recipe = parse_graph(recipe_text, "<prepared weight recipe>")
     sources = [(n.op.name, np_dtype(n.op.type.dtype)) for n in recipe.find(Param)]
+    fp8 = {n.op.name for n in recipe.find(Param) if n.op.type.dtype == "f8e4m3"}
     if not rows or not _row_wise(recipe, rows):
         def read(source: str, source_type):
-            return jnp.asarray(checkpoint.load(source).astype(np_dtype(source_type.dtype)))
+            return jnp.asarray(checkpoint.load(source, source in fp8).astype(np_dtype(source_type.dtype)))
 
         yield np.asarray(_evaluate(recipe_text, read))
         for source, _ in sources:
-            checkpoint.release_rows(source, 0, checkpoint.params[source].shape[0])
+            if source in checkpoint.params:  # (a scale has no mapped rows to drop)
+                checkpoint.release_rows(source, 0, checkpoint.params[source].shape[0])
         return
     for start in range(0, rows, step):
         stop = min(rows, start + step)
-        piece = {source: checkpoint.load_rows(source, start, stop).astype(d, copy=False) for source, d in sources}
+        piece = {source: checkpoint.load_rows(source, start, stop, source in fp8).astype(d, copy=False)
+                 for source, d in sources}
         yield np.asarray(_evaluate(recipe_text, lambda source, _type: piece[source]))
         for source, _ in sources:
             checkpoint.release_rows(source, start, stop)
@@ -242,7 +252,7 @@ def load_params(checkpoint: Checkpoint, graph: Graph, progress: bool | None = No
         have = (loaded or {}).get(name)
         if have is not None and tuple(have.shape) == tuple(type_.shape) and have.dtype == np_dtype(type_.dtype):
             return have
-        source = checkpoint.load(name)
+        source = checkpoint.load(name, type_.dtype == "f8e4m3")  # FP8 kept: the values, not multiplied out
         want = np_dtype(type_.dtype)
         host = source if source.dtype == want else source.astype(want)
         array, aliased = to_device(host)

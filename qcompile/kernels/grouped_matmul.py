@@ -54,6 +54,7 @@ import jax
 import jax.numpy as jnp
 
 from qcompile.kernels import native
+from qcompile.kernels.fp8 import QuantizedWeight, unit_leading
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -275,9 +276,39 @@ def grouped_matmul_native(rows, w, group_sizes):
     return call(rows.astype(jnp.float32), w.astype(jnp.float32), group_sizes.astype(jnp.int32))
 
 
+NATIVE_FP8 = "qcompile_grouped_matmul_fp8"
+NATIVE_SWIGLU_FP8 = "qcompile_grouped_matmul_swiglu_fp8"
+
+
+def grouped_matmul_fp8_native(rows, w: QuantizedWeight, group_sizes, swiglu: bool):
+    """The native kernel on FP8 expert weights [E, K, Nout] (block scales [E, ceil(K/bk), ceil(Nout/bn)]): each k
+    block's slab of a routed expert's weights is dequantized into an L2-resident buffer just before it is multiplied
+    (kernels/native/grouped_matmul_f32.cc). Call only after `native.ensure` of its target returned True."""
+    n, nout = rows.shape[0], w.shape[2]
+    width = nout // 2 if swiglu else nout
+    if n == 0:
+        return jnp.zeros((0, width), rows.dtype)
+    w = unit_leading(w, 1)
+    call = jax.ffi.ffi_call(NATIVE_SWIGLU_FP8 if swiglu else NATIVE_FP8, jax.ShapeDtypeStruct((n, width), jnp.float32))
+    return call(rows.astype(jnp.float32), jax.lax.bitcast_convert_type(w.values, jnp.uint8),
+                w.scale.astype(jnp.float32), group_sizes.astype(jnp.int32), block_k=w.block[1], block_n=w.block[2])
+
+
+def _fp8_native(rows, w) -> str | None:
+    """The FP8 kernel's target when `w` is a deferred FP8 weight the native kernels can take here, else None."""
+    if not isinstance(w, QuantizedWeight) or rows.dtype != jnp.float32 or w.dtype != jnp.float32:
+        return None
+    return NATIVE_FP8
+
+
 def grouped_matmul_cpu(rows, w, group_sizes):
     """The CPU lowering of grouped_matmul: the native kernel for f32 when it is available (docs/cpu_rules.md,
-    "native"), else the jnp strategy `choose_strategy` picks for this static shape."""
+    "native") — on FP8 weights as they are — else the jnp strategy `choose_strategy` picks for this static shape (FP8
+    weights dequantized first)."""
+    if _fp8_native(rows, w) and native.ensure(NATIVE_FP8):
+        return grouped_matmul_fp8_native(rows, w, group_sizes, swiglu=False)
+    if isinstance(w, QuantizedWeight):
+        w = w.dequantize()
     if rows.dtype == jnp.float32 and w.dtype == jnp.float32 and native.ensure(NATIVE_F32):
         return grouped_matmul_native(rows, w, group_sizes)
     return grouped_matmul_jnp(rows, w, group_sizes)
@@ -322,8 +353,12 @@ def grouped_matmul_swiglu_native(rows, w, group_sizes):
 
 
 def grouped_matmul_swiglu_cpu(rows, w, group_sizes):
-    """CPU rule of the fused op: the native kernel with its epilogue for f32, else the jnp strategy over the 2I
-    columns (one weight sweep instead of two) and the halves."""
+    """CPU rule of the fused op: the native kernel with its epilogue for f32 (on FP8 weights as they are), else the
+    jnp strategy over the 2I columns (one weight sweep instead of two) and the halves."""
+    if _fp8_native(rows, w) and native.ensure(NATIVE_SWIGLU_FP8):
+        return grouped_matmul_fp8_native(rows, w, group_sizes, swiglu=True)
+    if isinstance(w, QuantizedWeight):
+        w = w.dequantize()
     if rows.dtype == jnp.float32 and w.dtype == jnp.float32 and native.ensure(NATIVE_SWIGLU_F32):
         return grouped_matmul_swiglu_native(rows, w, group_sizes)
     return swiglu_halves(grouped_matmul_jnp(rows, w, group_sizes))

@@ -24,8 +24,10 @@ import jax
 import jax.numpy as jnp
 
 from qcompile.kernels import native
+from qcompile.kernels.fp8 import QuantizedWeight
 
 NATIVE_F32 = "qcompile_linear_f32"
+NATIVE_FP8 = "qcompile_linear_fp8"
 NATIVE_MAX_ROWS = 48  # the kernel's row chunk; from 64 rows on XLA's packed GEMM is as fast or faster
 
 
@@ -47,8 +49,27 @@ def use_native(x, w) -> bool:
             and native.ensure(NATIVE_F32))
 
 
+def linear_fp8_native(x, w: QuantizedWeight):
+    """The native kernel on FP8 weights: each work item's weight rows dequantized into an L2-resident buffer
+    (kernels/native/linear_f32.cc); call only after `native.ensure(NATIVE_FP8)` returned True."""
+    lead, k, n = x.shape[:-1], x.shape[-1], w.shape[0]
+    rows = math.prod(lead)
+    block_n, block_k = w.block
+    call = jax.ffi.ffi_call(NATIVE_FP8, jax.ShapeDtypeStruct((rows, n), jnp.float32))
+    out = call(x.reshape(rows, k).astype(jnp.float32), jax.lax.bitcast_convert_type(w.values, jnp.uint8),
+               w.scale.astype(jnp.float32), block_n=block_n, block_k=block_k)
+    return out.reshape(*lead, n)
+
+
 def linear_cpu(x, w):
-    """The CPU lowering of linear: the native kernel for few f32 rows, XLA's dot otherwise."""
+    """The CPU lowering of linear: the native kernel for few f32 rows (on FP8 weights as they are), XLA's dot
+    otherwise (FP8 weights dequantized first)."""
+    if isinstance(w, QuantizedWeight):
+        rows = math.prod(x.shape[:-1])
+        if (x.dtype == jnp.float32 and w.dtype == jnp.float32 and 0 < rows <= NATIVE_MAX_ROWS
+                and native.ensure(NATIVE_FP8)):
+            return linear_fp8_native(x, w)
+        w = w.dequantize()
     return linear_native(x, w) if use_native(x, w) else linear_xla(x, w)
 
 

@@ -175,8 +175,9 @@ def model_facts(graph: Graph) -> ModelFacts:
 
 
 def expert_weights(graph: Graph) -> tuple[set[Value], set[int]]:
-    """The routed experts' parameters (checkpoint tensors [E, ...]) and the weight-preparation nodes between them
-    and the grouped matmuls (slices of a fused gate_up, transposes, concats)."""
+    """The routed experts' parameters (checkpoint tensors [E, ...]; FP8 values and their block scales) and the
+    weight-preparation nodes between them and the grouped matmuls (slices of a fused gate_up, transposes, concats,
+    dequantizes)."""
     params: set[Value] = set()
     prep: set[int] = set()
     stack = [node.operands[1] for node in graph.nodes() if isinstance(node.op, (GroupedMatmul, GroupedMatmulSwiglu))]
@@ -185,7 +186,8 @@ def expert_weights(graph: Graph) -> tuple[set[Value], set[int]]:
         node = graph.node(value.node)
         if isinstance(node.op, Param):
             params.add(value)
-        elif node.id not in prep and node.op.op_name in ("transpose", "slice", "concat"):
+        elif node.id not in prep and node.op.op_name in ("transpose", "slice", "concat", "dequantize",
+                                                         "refine_scale"):
             prep.add(node.id)
             stack.extend(node.operands)
     return params, prep
@@ -301,6 +303,9 @@ def tp_problem(graph: Graph, facts: ModelFacts, mesh, tp: int) -> str:
         if heads and heads % tp:
             extra = " (replicating KV heads across a tensor-parallel group is not laid out)" if "KV" in what else ""
             return f"{heads} {what} do not split {tp} ways{extra}"
+    if any(n.op.op_name == "dequantize" for n in graph.nodes()):
+        return ("the graph keeps FP8 weights (a tensor-parallel layout of FP8 values and their block scales is not "
+                "implemented; compile with --fp8 dequantize for one)")
     fused = sorted({n.op.op_name for n in graph.nodes() if n.op.op_name in ("gated_delta_net", "linear_swiglu")})
     if fused:
         return f"the graph has {', '.join(fused)} already (gqa-sharding must run before the fusion passes)"
@@ -412,6 +417,8 @@ def _lay_out(graph: Graph, mesh) -> tuple[Graph, int]:
             if tensor and op.name in caches and split is not None:
                 dims[split] = TENSOR
             new = builder.input(op.name, op.type.with_sharding(Sharding(tuple(dims)) if any(dims) else None))
+        elif isinstance(op, Param) and node.results[0] in expert_params and op.type.shape[0] == 1:
+            new = builder.param(op.name, op.type)  # a scale over all the experts at once (one per tensor): whole
         elif isinstance(op, Param) and node.results[0] in expert_params:
             new = builder.param(op.name, op.type.with_sharding(Sharding((EXPERTS,) + (None,) * (op.type.rank - 1))))
         elif node.id in prep_nodes:  # weight preparation: its type rule carries the experts split through

@@ -23,9 +23,10 @@ class LoadedModel:
 
 
 def load_model(path, dtype: str | None = None, page_size: int = 16, gdn_mode: str = "auto",
-               progress: bool | None = None) -> LoadedModel:
+               progress: bool | None = None, fp8: str = "keep") -> LoadedModel:
     """The checkpoint's unoptimized graph with its weight preparation folded (prepared weights computed here, one
-    tensor at a time) and its device parameters."""
+    tensor at a time) and its device parameters. `fp8`: an FP8 checkpoint's weights kept FP8 or multiplied out
+    (ir/importer.py `build_graph`)."""
     checkpoint = Checkpoint.open(path)
-    graph = fold_weight_preparation(build_graph(checkpoint, dtype, page_size, gdn_mode))
+    graph = fold_weight_preparation(build_graph(checkpoint, dtype, page_size, gdn_mode, fp8=fp8))
     return LoadedModel(checkpoint, graph, load_params(checkpoint, graph, progress))

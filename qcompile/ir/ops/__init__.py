@@ -1,3 +1,3 @@
 """Importing this package registers every op (catalogue in qcompile.ir.registry)."""
 
-from qcompile.ir.ops import attention, collective, core, expert_parallel, gdn, moe  # noqa: F401
+from qcompile.ir.ops import attention, collective, core, expert_parallel, gdn, moe, quant  # noqa: F401

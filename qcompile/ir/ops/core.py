@@ -123,7 +123,7 @@ def _linear_f32(op_, x, w):
     return jnp.einsum("...k,nk->...n", x, w, precision=HIGHEST, preferred_element_type=jnp.float32)
 
 
-@lowering(Linear, "cpu")
+@lowering(Linear, "cpu", takes_quantized=True)
 def _linear_cpu(op_, x, w):
     """The native few-row kernel at decode, XLA's dot otherwise (kernels/linear.py)."""
     return linear_cpu(x, w)
@@ -148,7 +148,7 @@ def _linear_swiglu(op_, x, w):
     return swiglu_halves(_linear(op_, x, w))
 
 
-@lowering(LinearSwiglu, "cpu")
+@lowering(LinearSwiglu, "cpu", takes_quantized=True)
 def _linear_swiglu_cpu(op_, x, w):
     """One weight sweep for gate and up (the native few-row kernel at decode), then the halves."""
     return swiglu_halves(linear_cpu(x, w))

@@ -95,7 +95,7 @@ def _gmm_type(op_, rows, w, group_sizes):
     return rows.with_shape((rows.shape[0], w.shape[2]))
 
 
-@lowering(GroupedMatmul, "cpu")
+@lowering(GroupedMatmul, "cpu", takes_quantized=True)
 def _gmm_cpu(op_, rows, w, group_sizes):
     """Without ragged_dot's E× expansion: qcompile's native kernel for f32 (kernels/native.py), else one matvec per
     routed row at decode sizes or a loop over the row blocks in use (kernels/grouped_matmul.py has the measurements)."""
@@ -122,7 +122,7 @@ def _gmm_swiglu_type(op_, rows, w, group_sizes):
     return out.with_shape((rows.shape[0], w.shape[2] // 2))
 
 
-@lowering(GroupedMatmulSwiglu, "cpu")
+@lowering(GroupedMatmulSwiglu, "cpu", takes_quantized=True)
 def _gmm_swiglu_cpu(op_, rows, w, group_sizes):
     """The native kernel with the SwiGLU epilogue for f32, else the jnp rule over 2I columns (kernels/grouped_matmul.py)."""
     return grouped_matmul_swiglu_cpu(rows, w, group_sizes)

@@ -18,6 +18,9 @@
 //   * weight rows are prefetched kPrefetchRows ahead (a panel reads 256 bytes per weight row, one row per page at
 //     Nout = 1024, which the hardware prefetchers do not follow across pages).
 // Vectors are GCC vector extensions (16 floats); -march=native maps them to AVX-512, AVX2 or SSE.
+// FP8 weights (the ...Fp8 entry points: w is e4m3fn bytes [E, K, Nout] with f32 block scales [E, ceil(K/bk),
+// ceil(Nout/bn)]): each k block's [kc, Nout] slab is dequantized into a per-thread buffer (fp8.h) that the same
+// panels then read, so memory moves one byte per weight and the slab is multiplied while it is in L2.
 
 #include <algorithm>
 #include <cmath>
@@ -26,6 +29,7 @@
 #include <memory>
 #include <vector>
 
+#include "fp8.h"
 #include "parallel_items.h"
 #include "vec16.h"
 #include "xla/ffi/api/ffi.h"
@@ -114,21 +118,41 @@ struct Job {
   int64_t k, nout;
   bool swiglu;  // out[r, j] = silu(y[r, j]) * y[r, nout/2 + j] of the product y, out nout/2 wide
   std::vector<Item> items;
+  // FP8 weights (w8 set, w null): values [E, K, Nout], scales [E, kblocks, nblocks] in blocks of bk x bn
+  const uint8_t* w8 = nullptr;
+  const float* scale = nullptr;
+  int64_t bk = 1, bn = 1, kblocks = 1, nblocks = 1;
 };
+
+// Rows [k0, k0 + kc) of expert e's FP8 weights, dequantized into buf ([kc, Nout]).
+void dequant_slab(const Job& j, int64_t e, int64_t k0, int64_t kc, float* buf) {
+  const uint8_t* we = j.w8 + e * j.k * j.nout;
+  const float* se = j.scale + e * j.kblocks * j.nblocks;
+  for (int64_t kk = 0; kk < kc; ++kk)
+    qcompile_native::dequant_row(we + (k0 + kk) * j.nout, se + ((k0 + kk) / j.bk) * j.nblocks, j.bn, j.nout,
+                                 buf + kk * j.nout);
+}
 
 // rows[it] · w[e] into out (ldo floats per row), k blocks outer, 64-column panels, row tiles inner.
 void product(const Job& j, const Item& it, float* out, int64_t ldo) {
-  const float* we = j.w + it.expert * j.k * j.nout;
   const int64_t kblock = std::max<int64_t>(16, kSlabFloats / std::max<int64_t>(j.nout, 1));
+  thread_local std::vector<float> slab;  // FP8: the k block's weights, dequantized
+  if (j.w8 != nullptr) slab.resize(static_cast<size_t>(std::min(kblock, j.k) * j.nout));
   for (int64_t k0 = 0; k0 < j.k; k0 += kblock) {
     const int64_t kc = std::min(kblock, j.k - k0);
+    const float* wk = nullptr;  // the slab: weight rows k0..k0+kc of this expert, [kc, Nout]
+    if (j.w8 != nullptr) {
+      dequant_slab(j, it.expert, k0, kc, slab.data());
+      wk = slab.data();
+    } else {
+      wk = j.w + (it.expert * j.k + k0) * j.nout;
+    }
     for (int64_t n0 = 0; n0 < j.nout; n0 += kNr) {
       const int64_t ncols = std::min(kNr, j.nout - n0);
       for (int64_t r = 0; r < it.rows; r += kMr) {
         const int rows = static_cast<int>(std::min<int64_t>(kMr, it.rows - r));
         const int64_t row = it.row0 + r;
-        panel(j.x + row * j.k + k0, j.k, rows, we + k0 * j.nout + n0, j.nout, kc, ncols, out + r * ldo + n0, ldo,
-              k0 > 0);
+        panel(j.x + row * j.k + k0, j.k, rows, wk + n0, j.nout, kc, ncols, out + r * ldo + n0, ldo, k0 > 0);
       }
     }
   }
@@ -159,6 +183,25 @@ void run_item(const Job& j, const Item& it) {
   }
 }
 
+// Items (expert, row chunk) for the groups, rows past them zeroed; then every item, on the pool.
+ffi::Error Launch(ffi::ThreadPool pool, std::shared_ptr<Job> job, int64_t n, int64_t experts, const int32_t* gs) {
+  const int64_t width = job->swiglu ? job->nout / 2 : job->nout;
+  if (job->k == 0) {  // an empty product: y = 0, and silu(0)·0 = 0
+    std::memset(job->out, 0, sizeof(float) * n * width);
+    return ffi::Error::Success();
+  }
+  int64_t row = 0;
+  for (int64_t e = 0; e < experts; ++e) {
+    const int64_t g = std::min<int64_t>(std::max<int64_t>(gs[e], 0), n - row);
+    for (int64_t r = 0; r < g; r += kRowChunk) job->items.push_back({e, row + r, std::min(kRowChunk, g - r)});
+    row += g;
+  }
+  if (row < n) std::memset(job->out + row * width, 0, sizeof(float) * (n - row) * width);
+  qcompile_native::parallel_items(pool, static_cast<int64_t>(job->items.size()),
+                                  [job](int64_t i) { run_item(*job, job->items[i]); });
+  return ffi::Error::Success();
+}
+
 ffi::Error Run(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> rows, ffi::Buffer<ffi::F32> w,
                ffi::Buffer<ffi::S32> group_sizes, ffi::ResultBuffer<ffi::F32> out, bool swiglu) {
   const auto rd = rows.dimensions();
@@ -177,22 +220,35 @@ ffi::Error Run(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> rows, ffi::Buffer<ffi
   job->k = rd[1];
   job->nout = wd[2];
   job->swiglu = swiglu;
-  const int64_t n = rd[0], width = swiglu ? job->nout / 2 : job->nout;
-  if (job->k == 0) {  // an empty product: y = 0, and silu(0)·0 = 0
-    std::memset(job->out, 0, sizeof(float) * n * width);
-    return ffi::Error::Success();
-  }
-  const int32_t* gs = group_sizes.typed_data();
-  int64_t row = 0;
-  for (int64_t e = 0; e < wd[0]; ++e) {
-    const int64_t g = std::min<int64_t>(std::max<int64_t>(gs[e], 0), n - row);
-    for (int64_t r = 0; r < g; r += kRowChunk) job->items.push_back({e, row + r, std::min(kRowChunk, g - r)});
-    row += g;
-  }
-  if (row < n) std::memset(job->out + row * width, 0, sizeof(float) * (n - row) * width);
-  qcompile_native::parallel_items(pool, static_cast<int64_t>(job->items.size()),
-                                  [job](int64_t i) { run_item(*job, job->items[i]); });
-  return ffi::Error::Success();
+  return Launch(pool, job, rd[0], wd[0], group_sizes.typed_data());
+}
+
+ffi::Error RunFp8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> rows, ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::F32> scale,
+                  ffi::Buffer<ffi::S32> group_sizes, ffi::ResultBuffer<ffi::F32> out, int64_t bk, int64_t bn,
+                  bool swiglu) {
+  const auto rd = rows.dimensions();
+  const auto wd = w.dimensions();
+  const auto sd = scale.dimensions();
+  const auto gd = group_sizes.dimensions();
+  if (rd.size() != 2 || wd.size() != 3 || gd.size() != 1 || sd.size() != 3 || wd[1] != rd[1] || gd[0] != wd[0] ||
+      (swiglu && wd[2] % 2) || bk < 1 || bn < 1 || sd[0] != wd[0] || sd[1] != (wd[1] + bk - 1) / bk ||
+      sd[2] != (wd[2] + bn - 1) / bn)
+    return ffi::Error::InvalidArgument("qcompile grouped matmul fp8: expected rows[N,K], w[E,K,Nout] e4m3fn bytes, "
+                                       "scale[E,ceil(K/block_k),ceil(Nout/block_n)], group_sizes[E]");
+  auto job = std::make_shared<Job>();
+  job->x = rows.typed_data();
+  job->w = nullptr;
+  job->w8 = w.typed_data();
+  job->scale = scale.typed_data();
+  job->bk = bk;
+  job->bn = bn;
+  job->kblocks = sd[1];
+  job->nblocks = sd[2];
+  job->out = out->typed_data();
+  job->k = rd[1];
+  job->nout = wd[2];
+  job->swiglu = swiglu;
+  return Launch(pool, job, rd[0], wd[0], group_sizes.typed_data());
 }
 
 ffi::Error GroupedMatmulF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> rows, ffi::Buffer<ffi::F32> w,
@@ -203,6 +259,18 @@ ffi::Error GroupedMatmulF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> rows, ff
 ffi::Error GroupedMatmulSwigluF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> rows, ffi::Buffer<ffi::F32> w,
                                   ffi::Buffer<ffi::S32> group_sizes, ffi::ResultBuffer<ffi::F32> out) {
   return Run(pool, rows, w, group_sizes, out, true);
+}
+
+ffi::Error GroupedMatmulFp8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> rows, ffi::Buffer<ffi::U8> w,
+                            ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::S32> group_sizes,
+                            ffi::ResultBuffer<ffi::F32> out, int64_t bk, int64_t bn) {
+  return RunFp8(pool, rows, w, scale, group_sizes, out, bk, bn, false);
+}
+
+ffi::Error GroupedMatmulSwigluFp8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> rows, ffi::Buffer<ffi::U8> w,
+                                  ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::S32> group_sizes,
+                                  ffi::ResultBuffer<ffi::F32> out, int64_t bk, int64_t bn) {
+  return RunFp8(pool, rows, w, scale, group_sizes, out, bk, bn, true);
 }
 
 }  // namespace
@@ -218,3 +286,19 @@ ffi::Error GroupedMatmulSwigluF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> ro
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QcompileGroupedMatmulF32, GroupedMatmulF32, QCOMPILE_GROUPED_MATMUL_BINDING);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QcompileGroupedMatmulSwigluF32, GroupedMatmulSwigluF32, QCOMPILE_GROUPED_MATMUL_BINDING);
+
+// rows[N,K] f32, w[E,K,Nout] e4m3fn as bytes, scale[E,KB,NB] f32, group_sizes[E]; attrs block_k, block_n -> out.
+#define QCOMPILE_GROUPED_MATMUL_FP8_BINDING            \
+  ffi::Ffi::Bind()                                    \
+      .Ctx<ffi::ThreadPool>()                         \
+      .Arg<ffi::Buffer<ffi::F32>>()                   \
+      .Arg<ffi::Buffer<ffi::U8>>()                    \
+      .Arg<ffi::Buffer<ffi::F32>>()                   \
+      .Arg<ffi::Buffer<ffi::S32>>()                   \
+      .Ret<ffi::Buffer<ffi::F32>>()                   \
+      .Attr<int64_t>("block_k")                       \
+      .Attr<int64_t>("block_n")
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QcompileGroupedMatmulFp8, GroupedMatmulFp8, QCOMPILE_GROUPED_MATMUL_FP8_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QcompileGroupedMatmulSwigluFp8, GroupedMatmulSwigluFp8,
+                              QCOMPILE_GROUPED_MATMUL_FP8_BINDING);

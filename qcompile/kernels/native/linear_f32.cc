@@ -14,11 +14,16 @@
 //     against a chunk of up to kRowChunk input rows, run on the caller and XLA's intra-op threads (parallel_items.h).
 // Vectors are GCC vector extensions (16 floats; GCC >= 12 or clang for __builtin_shufflevector); -march=native maps
 // them to AVX-512, AVX2, SSE or NEON.
+// FP8 weights (QcompileLinearFp8: w is e4m3fn bytes [N, K] with f32 block scales [ceil(N/bn), ceil(K/bk)]): a work
+// item's kNb weight rows are dequantized into a per-thread buffer (fp8.h, kNb x K floats, L2-resident) that its row
+// tiles then read: memory moves one byte per weight.
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
+#include "fp8.h"
 #include "parallel_items.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -101,6 +106,10 @@ struct Job {
   const float* w;
   float* out;
   int64_t t, k, n, row_chunks;
+  // FP8 weights (w8 set, w null): values [N, K], scales [ceil(N/bn), kblocks] in blocks of bn x bk
+  const uint8_t* w8 = nullptr;
+  const float* scale = nullptr;
+  int64_t bn = 1, bk = 1, kblocks = 1;
 };
 
 // Item i: weight rows [nb*kNb, +kNb) against input rows [rc*kRowChunk, +kRowChunk); consecutive items share the
@@ -111,23 +120,29 @@ void run_item(const Job& j, int64_t i) {
   const int64_t r0 = rc * kRowChunk, r1 = std::min(j.t, r0 + kRowChunk);
   // Row tiles of near-equal size (32 rows: 6,6,5,5,5,5, not 6,6,6,6,6,2): a short tile reads the weights as often as
   // a full one for fewer multiply-adds. Row tile outer: its kMr input rows stay in L1 across the item's weight rows.
+  const float* w = j.w;  // weight row n at w + n * k (FP8: the item's rows, dequantized, at w + (n - n0) * k)
+  thread_local std::vector<float> rows;
+  int64_t base = 0;
+  if (j.w8 != nullptr) {
+    rows.resize(static_cast<size_t>(kNb * j.k));
+    for (int64_t n = n0; n < n1; ++n)
+      qcompile_native::dequant_row(j.w8 + n * j.k, j.scale + (n / j.bn) * j.kblocks, j.bk, j.k,
+                                   rows.data() + (n - n0) * j.k);
+    w = rows.data();
+    base = n0;
+  }
   const int64_t tiles = (r1 - r0 + kMr - 1) / kMr;
   for (int64_t i = 0; i < tiles; ++i) {
     const int64_t r = r0 + (r1 - r0) * i / tiles, r_end = r0 + (r1 - r0) * (i + 1) / tiles;
     for (int64_t n = n0; n < n1; n += kNr) {
       const int cols = static_cast<int>(std::min<int64_t>(kNr, n1 - n));
-      block(j.x + r * j.k, j.k, static_cast<int>(r_end - r), j.w + n * j.k, j.k, j.k, cols, j.out + r * j.n + n, j.n);
+      block(j.x + r * j.k, j.k, static_cast<int>(r_end - r), w + (n - base) * j.k, j.k, j.k, cols,
+            j.out + r * j.n + n, j.n);
     }
   }
 }
 
-ffi::Error LinearF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                     ffi::ResultBuffer<ffi::F32> out) {
-  const auto xd = x.dimensions();
-  const auto wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 2 || wd[1] != xd[1])
-    return ffi::Error::InvalidArgument("qcompile linear: expected x[T,K], w[N,K]");
-  Job job{x.typed_data(), w.typed_data(), out->typed_data(), xd[0], xd[1], wd[0], 0};
+ffi::Error Launch(ffi::ThreadPool pool, Job job) {
   if (job.t == 0 || job.n == 0) return ffi::Error::Success();
   if (job.k == 0) {
     std::memset(job.out, 0, sizeof(float) * job.t * job.n);
@@ -139,6 +154,33 @@ ffi::Error LinearF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
   return ffi::Error::Success();
 }
 
+ffi::Error LinearF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                     ffi::ResultBuffer<ffi::F32> out) {
+  const auto xd = x.dimensions();
+  const auto wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || wd[1] != xd[1])
+    return ffi::Error::InvalidArgument("qcompile linear: expected x[T,K], w[N,K]");
+  return Launch(pool, Job{x.typed_data(), w.typed_data(), out->typed_data(), xd[0], xd[1], wd[0], 0});
+}
+
+ffi::Error LinearFp8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
+                     ffi::Buffer<ffi::F32> scale, ffi::ResultBuffer<ffi::F32> out, int64_t bn, int64_t bk) {
+  const auto xd = x.dimensions();
+  const auto wd = w.dimensions();
+  const auto sd = scale.dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || sd.size() != 2 || wd[1] != xd[1] || bn < 1 || bk < 1 ||
+      sd[0] != (wd[0] + bn - 1) / bn || sd[1] != (wd[1] + bk - 1) / bk)
+    return ffi::Error::InvalidArgument("qcompile linear fp8: expected x[T,K], w[N,K] e4m3fn bytes, "
+                                       "scale[ceil(N/block_n),ceil(K/block_k)]");
+  Job job{x.typed_data(), nullptr, out->typed_data(), xd[0], xd[1], wd[0], 0};
+  job.w8 = w.typed_data();
+  job.scale = scale.typed_data();
+  job.bn = bn;
+  job.bk = bk;
+  job.kblocks = sd[1];
+  return Launch(pool, job);
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QcompileLinearF32, LinearF32,
@@ -147,3 +189,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(QcompileLinearF32, LinearF32,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QcompileLinearFp8, LinearFp8,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("block_n")
+                                  .Attr<int64_t>("block_k"));
