@@ -242,3 +242,36 @@ def test_fold_keeps_prepared_fp8_weights_fp8(fp8_tiny):
     prepared = {n.op.name: n.op.type for n in folded.find(Param) if n.op.name in recipes}
     assert any(t.dtype == "f8e4m3" for t in prepared.values())
     assert any(t.dtype == "f32" and "fp8_scale" in recipes[name] for name, t in prepared.items())
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_the_pallas_grouped_matmul_reads_fp8_tiles(dtype):
+    """The tpu rule's FP8 kernel (interpreted here) equals the reference on the dequantized weight — ragged groups, an
+    empty one, padding rows (which come back 0) — and lowers for TPU (a Mosaic custom call in the export); a weight
+    whose blocks are not the kernel's tiles is dequantized before the bf16/f32 kernel instead."""
+    import jax
+    import jax.numpy as jnp
+    from jax import export
+    from test_target_rules import quantized
+
+    from qcompile.kernels import pallas_gmm
+    from qcompile.kernels.fp8 import QuantizedWeight, dequantize
+    from qcompile.kernels.grouped_matmul import grouped_matmul_swiglu_reference
+
+    jdtype = jnp.float32 if dtype == "f32" else jnp.bfloat16
+    rng = np.random.default_rng(7)
+    values, scale = quantized(rng.standard_normal((4, 256, 256)), (1, 128, 128))
+    rows = jnp.asarray(rng.standard_normal((40, 256)), jdtype)
+    groups = jnp.asarray([7, 0, 20, 9], jnp.int32)  # 36 routed rows of 40
+    want = np.asarray(grouped_matmul_swiglu_reference(
+        rows, dequantize(jnp.asarray(values), jnp.asarray(scale), (1, 128, 128), jdtype), groups), np.float64)
+    rule = jax.jit(lambda r, v, s, g: pallas_gmm.gmm_swiglu_tpu(r, QuantizedWeight(v, s, (1, 128, 128), jdtype), g))
+    got = np.asarray(rule(rows, values, scale, groups), np.float64)
+    np.testing.assert_allclose(got[:36], want[:36], rtol=0, atol=1e-6 * np.abs(want).max())
+    assert not got[36:].any()
+    assert pallas_gmm.fp8_tiles_fit(values.shape, (1, 128, 128)) and not pallas_gmm.fp8_tiles_fit(values.shape,
+                                                                                                   (1, 16, 128))
+    exported = export.export(jax.jit(lambda r, v, s, g: pallas_gmm.gmm_swiglu_fp8_pallas(r, v, s, g)),
+                             platforms=["tpu"])(rows, values, scale, groups)
+    text = exported.mlir_module()
+    assert "tpu_custom_call" in text and "f8E4M3FN" in text  # the FP8 bytes go into the kernel

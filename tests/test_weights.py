@@ -90,7 +90,7 @@ def test_load_params_reads_recipe_inputs_only(ckpt, split, monkeypatch):
     checkpoint = Checkpoint.open(ckpt)
     reads: list[str] = []
     real = Checkpoint.load
-    monkeypatch.setattr(Checkpoint, "load", lambda self, name: (reads.append(name), real(self, name))[1])
+    monkeypatch.setattr(Checkpoint, "load", lambda self, name, raw=False: (reads.append(name), real(self, name, raw))[1])
     load_params(checkpoint, folded, progress=False)
     wanted = {n.op.name for n in folded.find(Param) if not n.op.name.startswith(PREPARED_PREFIX)}
     for name in prepared_names(folded):

@@ -27,6 +27,13 @@ block; otherwise K and I are padded with zeros to multiples of 128 (Mosaic wants
 of 128 or the whole dim; K: zero products; I: silu(0)·0 = 0, sliced off) and N to a multiple of the row tile (rows in
 no group). Padding the weights per call costs
 a copy; weights whose I and K are multiples of 128 (every published Qwen3.5/Qwen3-Next MoE shape) need none.
+
+FP8 weights (`gmm_swiglu_fp8_pallas`; the tpu rule given a deferred FP8 weight, kernels/fp8.py): the weight blocks
+are read as FP8 — one byte a weight from HBM — with the expert's block scales ([K/tk, 2I/tn] f32, one per weight
+tile) in SMEM, and each [tk, tn] tile is dequantized in VMEM (FP8 → f32 × its scale → the rows' dtype: the same
+single rounding as the reference's dequantize) just before its dot. It takes Qwen's layout — blocks of 1 × 128 ×
+128 over the [E, K, 2I] weight, tiles = blocks, I and K multiples of 128 — and the tpu rule dequantizes any other
+layout first.
 """
 
 from __future__ import annotations
@@ -37,6 +44,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+
+from qcompile.kernels.fp8 import QuantizedWeight
 
 BLOCK = 128
 
@@ -108,6 +117,80 @@ def _kernel(tile_ref, group_ref, first_ref, valid_ref, start_ref, end_ref, x_ref
         out_ref[...] += jnp.where(mine, y, jnp.zeros_like(y)).astype(out_ref.dtype)
 
 
+def _kernel_fp8(tile_ref, group_ref, first_ref, valid_ref, start_ref, end_ref, x_ref, wg_ref, wu_ref, sg_ref,
+                su_ref, out_ref, acc_gate, acc_up, *, tm: int, dtype, col_blocks: int):
+    """_kernel on FP8 weight tiles: each tile times its block scale (SMEM), rounded to the rows' dtype, then the dot."""
+    j, kk = pl.program_id(0), pl.program_id(2)
+    gate_scale, up_scale = sg_ref[kk, j], su_ref[kk, j + col_blocks]
+
+    class Dequantized:  # the weight refs as _kernel reads them (ref[...])
+        def __init__(self, ref, scale):
+            self.ref, self.scale = ref, scale
+
+        def __getitem__(self, index):
+            return (self.ref[index].astype(jnp.float32) * self.scale).astype(dtype)
+
+    _kernel(tile_ref, group_ref, first_ref, valid_ref, start_ref, end_ref, x_ref, Dequantized(wg_ref, gate_scale),
+            Dequantized(wu_ref, up_scale), out_ref, acc_gate, acc_up, tm=tm, dtype=dtype)
+
+
+def fp8_tiles_fit(w_shape, block, tk: int = BLOCK, tn: int = BLOCK) -> bool:
+    """Whether an FP8 [E, K, 2I] weight in blocks of `block` is in the layout gmm_swiglu_fp8_pallas takes."""
+    _, k, two_i = w_shape
+    return tuple(block) == (1, tk, tn) and k % tk == 0 and (two_i // 2) % tn == 0
+
+
+def gmm_swiglu_fp8_pallas(rows, values, scale, group_sizes, *, interpret=False, tm: int = BLOCK, tk: int = BLOCK,
+                          tn: int = BLOCK):
+    """grouped_matmul_swiglu on FP8 weights [E, K, 2I] with scales [E, K/tk, 2I/tn] (blocks = tiles; see the module
+    docstring)."""
+    n, k = rows.shape
+    half = values.shape[2] // 2
+    if n == 0 or half == 0:
+        return jnp.zeros((n, half), rows.dtype)
+    tm = min(tm, -(-n // 8) * 8)
+    x = _pad_to(rows, 0, tm)
+    col_blocks = half // tn
+    (tile, group, first, valid), (starts, ends) = group_visits(group_sizes, n, tm)
+    grid = (col_blocks, tile.shape[0], k // tk)
+    kb, nb = scale.shape[1:]
+
+    def x_map(j, v, kk, tile, group, first, valid, starts, ends):
+        return tile[v], kk
+
+    def gate_map(j, v, kk, tile, group, first, valid, starts, ends):
+        return group[v], kk, j
+
+    def up_map(j, v, kk, tile, group, first, valid, starts, ends):
+        return group[v], kk, j + col_blocks
+
+    def scale_map(j, v, kk, tile, group, first, valid, starts, ends):
+        return group[v], 0, 0
+
+    def out_map(j, v, kk, tile, group, first, valid, starts, ends):
+        return tile[v], j
+
+    scale_spec = pl.BlockSpec((None, kb, nb), scale_map, memory_space=pltpu.SMEM)
+    call = pl.pallas_call(
+        functools.partial(_kernel_fp8, tm=tm, dtype=rows.dtype, col_blocks=col_blocks),
+        out_shape=jax.ShapeDtypeStruct((x.shape[0], half), rows.dtype),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=6,
+            grid=grid,
+            in_specs=[pl.BlockSpec((tm, tk), x_map),
+                      pl.BlockSpec((None, tk, tn), gate_map),
+                      pl.BlockSpec((None, tk, tn), up_map),
+                      scale_spec, scale_spec],
+            out_specs=pl.BlockSpec((tm, tn), out_map),
+            scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32), pltpu.VMEM((tm, tn), jnp.float32)],
+        ),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary", "arbitrary")),
+        interpret=interpret,
+    )
+    scale = scale.astype(jnp.float32)
+    return call(tile, group, first, valid, starts, ends, x, values, values, scale, scale)[:n]
+
+
 def _pad_to(x, axis: int, multiple: int):
     size = x.shape[axis]
     pad = -size % multiple
@@ -173,7 +256,15 @@ def gmm_swiglu_pallas(rows, w, group_sizes, *, interpret=False, tm: int = BLOCK,
 
 
 def gmm_swiglu_tpu(rows, w, group_sizes):
-    """The tpu lowering rule: the compiled kernel on TPU, the interpreted one on any other platform."""
+    """The tpu lowering rule: the compiled kernel on TPU, the interpreted one on any other platform. A deferred FP8
+    weight in Qwen's layout goes to the FP8 kernel as it is; any other is dequantized first."""
+    if isinstance(w, QuantizedWeight):
+        if fp8_tiles_fit(w.shape, w.block):
+            return jax.lax.platform_dependent(
+                rows, w.values, w.scale, group_sizes,
+                tpu=functools.partial(gmm_swiglu_fp8_pallas, interpret=False),
+                default=functools.partial(gmm_swiglu_fp8_pallas, interpret=True))
+        w = w.dequantize()
     return jax.lax.platform_dependent(
         rows, w, group_sizes,
         tpu=functools.partial(gmm_swiglu_pallas, interpret=False),

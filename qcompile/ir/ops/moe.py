@@ -128,7 +128,7 @@ def _gmm_swiglu_cpu(op_, rows, w, group_sizes):
     return grouped_matmul_swiglu_cpu(rows, w, group_sizes)
 
 
-@lowering(GroupedMatmulSwiglu, "tpu")
+@lowering(GroupedMatmulSwiglu, "tpu", takes_quantized=True)
 def _gmm_swiglu_tpu(op_, rows, w, group_sizes):
     """The Pallas kernel, block-sparse over expert groups with the SwiGLU epilogue (kernels/pallas_gmm.py); compiled
     on TPU, interpreted when this rule runs on another platform (checks on a CPU host)."""

@@ -59,9 +59,10 @@ def _dequantize(op_, w, scale):
 
 
 @lowering(Dequantize, target="cpu")
+@lowering(Dequantize, target="tpu")
 def _dequantize_deferred(op_, w, scale):
-    """Deferred: a consumer rule that reads FP8 itself gets the operands; ir/lowering.py multiplies them out for any
-    other."""
+    """Deferred: a consumer rule that reads FP8 itself (the native CPU matmuls, the Pallas TPU grouped matmul) gets
+    the operands; ir/lowering.py multiplies them out for any other."""
     return QuantizedWeight(w, scale, tuple(op_.block), np_dtype(op_.dtype))
 
 
