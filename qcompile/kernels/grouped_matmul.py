@@ -290,7 +290,7 @@ def grouped_matmul_fp8_native(rows, w: QuantizedWeight, group_sizes, swiglu: boo
         return jnp.zeros((0, width), rows.dtype)
     w = unit_leading(w, 1)
     call = jax.ffi.ffi_call(NATIVE_SWIGLU_FP8 if swiglu else NATIVE_FP8, jax.ShapeDtypeStruct((n, width), jnp.float32))
-    return call(rows.astype(jnp.float32), jax.lax.bitcast_convert_type(w.values, jnp.uint8),
+    return call(rows.astype(jnp.float32), w.values,
                 w.scale.astype(jnp.float32), group_sizes.astype(jnp.int32), block_k=w.block[1], block_n=w.block[2])
 
 

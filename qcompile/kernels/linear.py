@@ -56,7 +56,7 @@ def linear_fp8_native(x, w: QuantizedWeight):
     rows = math.prod(lead)
     block_n, block_k = w.block
     call = jax.ffi.ffi_call(NATIVE_FP8, jax.ShapeDtypeStruct((rows, n), jnp.float32))
-    out = call(x.reshape(rows, k).astype(jnp.float32), jax.lax.bitcast_convert_type(w.values, jnp.uint8),
+    out = call(x.reshape(rows, k).astype(jnp.float32), w.values,
                w.scale.astype(jnp.float32), block_n=block_n, block_k=block_k)
     return out.reshape(*lead, n)
 

@@ -2,9 +2,12 @@
 // described in qcompile/kernels/fp8.py): the FP8 → f32 table and a row of weights dequantized into a buffer.
 //
 // The kernels dequantize a slab of weight rows into a small buffer that stays in L1/L2 just before multiplying it,
-// so memory moves one byte per weight and the multiply-adds run on f32 as in the f32 kernels. The value of an FP8
-// byte is looked up in a 256-entry table (exact: every e4m3fn value is an f32), then multiplied by its block's scale
-// in f32 — the same single rounding as the jnp reference's values.astype(f32) * scale.
+// so memory moves one byte per weight and the multiply-adds run on f32 as in the f32 kernels. An FP8 byte's value is
+// built as f32 bits, 16 at a time in vector registers (exact: every e4m3fn value is an f32): a normal number
+// S.EEEE.MMM is S | (EEEE.MMM << 20) + (120 << 23) (the exponent rebiased from 7 to 127), a subnormal (EEEE = 0)
+// MMM · 2^-9, S.1111.111 NaN; then it is multiplied by its block's scale in f32 — the same single rounding as the
+// jnp reference's values.astype(f32) * scale. (A 256-entry table did the same one element at a time, 2.5 ns per
+// weight: 50× slower than the f32 kernel's multiply-adds at decode.)
 
 #ifndef QCOMPILE_NATIVE_FP8_H_
 #define QCOMPILE_NATIVE_FP8_H_
@@ -13,6 +16,10 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 namespace qcompile_native {
 
@@ -39,13 +46,47 @@ inline const float* fp8_table() {
   return table.value;
 }
 
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef float f32x16u __attribute__((vector_size(64), aligned(4)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+
+// dst[0:16] = value(src[0:16]) · s.
+inline void dequant16(const uint8_t* src, float s, float* dst) {
+  // 16 bytes widened to 16 lanes (GCC scalarizes __builtin_convertvector of bytes: 3x slower, so intrinsics here)
+#if defined(__AVX512F__)
+  const u32x16 b = (u32x16)_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+#elif defined(__AVX2__)
+  u32x16 b;
+  const __m256i lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src)));
+  const __m256i hi = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + 8)));
+  __builtin_memcpy(&b, &lo, 32);
+  __builtin_memcpy(reinterpret_cast<char*>(&b) + 32, &hi, 32);
+#else
+  u32x16 b;
+  for (int i = 0; i < 16; ++i) b[i] = src[i];
+#endif
+  const u32x16 em = b & 0x7fu;
+  const u32x16 sign = (b & 0x80u) << 24;
+  const u32x16 normal = ((em << 20) + (120u << 23)) | sign;
+  const f32x16 sub = __builtin_convertvector((i32x16)(em & 7u), f32x16) * (1.0f / 512.0f);
+  const u32x16 sub_bits = (u32x16)sub | sign;
+  const u32x16 is_sub = (u32x16)(em < 8u);  // all ones where true
+  const u32x16 is_nan = (u32x16)(em == 0x7fu);
+  u32x16 bits = (sub_bits & is_sub) | (normal & ~is_sub);
+  bits = ((sign | 0x7fc00000u) & is_nan) | (bits & ~is_nan);
+  *reinterpret_cast<f32x16u*>(dst) = (f32x16)bits * s;
+}
+
 // dst[0:n] = value(src[0:n]) · scale[c / block] for columns c = 0..n-1 (scale: this row's block scales).
 inline void dequant_row(const uint8_t* src, const float* scale, int64_t block, int64_t n, float* dst) {
   const float* table = fp8_table();
   for (int64_t c0 = 0, b = 0; c0 < n; c0 += block, ++b) {
     const float s = scale[b];
     const int64_t c1 = std::min(n, c0 + block);
-    for (int64_t c = c0; c < c1; ++c) dst[c] = table[src[c]] * s;
+    int64_t c = c0;
+    for (; c + 16 <= c1; c += 16) dequant16(src + c, s, dst + c);
+    for (; c < c1; ++c) dst[c] = table[src[c]] * s;
   }
 }
 

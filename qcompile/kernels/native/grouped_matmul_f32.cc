@@ -223,14 +223,15 @@ ffi::Error Run(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> rows, ffi::Buffer<ffi
   return Launch(pool, job, rd[0], wd[0], group_sizes.typed_data());
 }
 
-ffi::Error RunFp8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> rows, ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::F32> scale,
+ffi::Error RunFp8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> rows, ffi::AnyBuffer w, ffi::Buffer<ffi::F32> scale,
                   ffi::Buffer<ffi::S32> group_sizes, ffi::ResultBuffer<ffi::F32> out, int64_t bk, int64_t bn,
                   bool swiglu) {
   const auto rd = rows.dimensions();
   const auto wd = w.dimensions();
   const auto sd = scale.dimensions();
   const auto gd = group_sizes.dimensions();
-  if (rd.size() != 2 || wd.size() != 3 || gd.size() != 1 || sd.size() != 3 || wd[1] != rd[1] || gd[0] != wd[0] ||
+  if (w.element_type() != ffi::DataType::F8E4M3FN || rd.size() != 2 || wd.size() != 3 || gd.size() != 1 ||
+      sd.size() != 3 || wd[1] != rd[1] || gd[0] != wd[0] ||
       (swiglu && wd[2] % 2) || bk < 1 || bn < 1 || sd[0] != wd[0] || sd[1] != (wd[1] + bk - 1) / bk ||
       sd[2] != (wd[2] + bn - 1) / bn)
     return ffi::Error::InvalidArgument("qcompile grouped matmul fp8: expected rows[N,K], w[E,K,Nout] e4m3fn bytes, "
@@ -238,7 +239,7 @@ ffi::Error RunFp8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> rows, ffi::Buffer<
   auto job = std::make_shared<Job>();
   job->x = rows.typed_data();
   job->w = nullptr;
-  job->w8 = w.typed_data();
+  job->w8 = static_cast<const uint8_t*>(w.untyped_data());
   job->scale = scale.typed_data();
   job->bk = bk;
   job->bn = bn;
@@ -261,13 +262,13 @@ ffi::Error GroupedMatmulSwigluF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> ro
   return Run(pool, rows, w, group_sizes, out, true);
 }
 
-ffi::Error GroupedMatmulFp8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> rows, ffi::Buffer<ffi::U8> w,
+ffi::Error GroupedMatmulFp8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> rows, ffi::AnyBuffer w,
                             ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::S32> group_sizes,
                             ffi::ResultBuffer<ffi::F32> out, int64_t bk, int64_t bn) {
   return RunFp8(pool, rows, w, scale, group_sizes, out, bk, bn, false);
 }
 
-ffi::Error GroupedMatmulSwigluFp8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> rows, ffi::Buffer<ffi::U8> w,
+ffi::Error GroupedMatmulSwigluFp8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> rows, ffi::AnyBuffer w,
                                   ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::S32> group_sizes,
                                   ffi::ResultBuffer<ffi::F32> out, int64_t bk, int64_t bn) {
   return RunFp8(pool, rows, w, scale, group_sizes, out, bk, bn, true);
@@ -287,12 +288,12 @@ ffi::Error GroupedMatmulSwigluFp8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> ro
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QcompileGroupedMatmulF32, GroupedMatmulF32, QCOMPILE_GROUPED_MATMUL_BINDING);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QcompileGroupedMatmulSwigluF32, GroupedMatmulSwigluF32, QCOMPILE_GROUPED_MATMUL_BINDING);
 
-// rows[N,K] f32, w[E,K,Nout] e4m3fn as bytes, scale[E,KB,NB] f32, group_sizes[E]; attrs block_k, block_n -> out.
+// rows[N,K] f32, w[E,K,Nout] e4m3fn (taken as bytes), scale[E,KB,NB] f32, group_sizes[E]; attrs block_k, block_n -> out.
 #define QCOMPILE_GROUPED_MATMUL_FP8_BINDING            \
   ffi::Ffi::Bind()                                    \
       .Ctx<ffi::ThreadPool>()                         \
       .Arg<ffi::Buffer<ffi::F32>>()                   \
-      .Arg<ffi::Buffer<ffi::U8>>()                    \
+      .Arg<ffi::AnyBuffer>()                    \
       .Arg<ffi::Buffer<ffi::F32>>()                   \
       .Arg<ffi::Buffer<ffi::S32>>()                   \
       .Ret<ffi::Buffer<ffi::F32>>()                   \

@@ -163,17 +163,18 @@ ffi::Error LinearF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
   return Launch(pool, Job{x.typed_data(), w.typed_data(), out->typed_data(), xd[0], xd[1], wd[0], 0});
 }
 
-ffi::Error LinearFp8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
+ffi::Error LinearFp8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
                      ffi::Buffer<ffi::F32> scale, ffi::ResultBuffer<ffi::F32> out, int64_t bn, int64_t bk) {
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
   const auto sd = scale.dimensions();
-  if (xd.size() != 2 || wd.size() != 2 || sd.size() != 2 || wd[1] != xd[1] || bn < 1 || bk < 1 ||
+  if (w.element_type() != ffi::DataType::F8E4M3FN || xd.size() != 2 || wd.size() != 2 || sd.size() != 2 ||
+      wd[1] != xd[1] || bn < 1 || bk < 1 ||
       sd[0] != (wd[0] + bn - 1) / bn || sd[1] != (wd[1] + bk - 1) / bk)
     return ffi::Error::InvalidArgument("qcompile linear fp8: expected x[T,K], w[N,K] e4m3fn bytes, "
                                        "scale[ceil(N/block_n),ceil(K/block_k)]");
   Job job{x.typed_data(), nullptr, out->typed_data(), xd[0], xd[1], wd[0], 0};
-  job.w8 = w.typed_data();
+  job.w8 = static_cast<const uint8_t*>(w.untyped_data());
   job.scale = scale.typed_data();
   job.bn = bn;
   job.bk = bk;
@@ -194,7 +195,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(QcompileLinearFp8, LinearFp8,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("block_n")
