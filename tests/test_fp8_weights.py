@@ -275,3 +275,14 @@ def test_the_pallas_grouped_matmul_reads_fp8_tiles(dtype):
                              platforms=["tpu"])(rows, values, scale, groups)
     text = exported.mlir_module()
     assert "tpu_custom_call" in text and "f8E4M3FN" in text  # the FP8 bytes go into the kernel
+
+
+def test_bench_refuses_to_compare_transformers_on_an_fp8_checkpoint(fp8_tiny, capsys):
+    """transformers' FP8 loader needs accelerate and a GPU: a one-line usage error before any work, not a traceback
+    after the qcompile measurement."""
+    from qcompile.cli import main
+
+    with pytest.raises(SystemExit) as done:
+        main(["bench", str(fp8_tiny), "--concurrency", "1", "--compare", "transformers"])
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and "cannot run this FP8 checkpoint" in err and len(err.strip().splitlines()) == 1

@@ -91,6 +91,19 @@ def _check_outputs(opts: BenchOptions) -> None:
                              "batching here); measure it without --request-rate")
 
 
+def _check_transformers_loads(source) -> None:
+    """An FP8 checkpoint is refused for --compare before any work: transformers loads FP8 through its fine-grained FP8
+    quantizer, which needs `accelerate` (not a dependency here) and runs its FP8 matmuls on GPUs."""
+    from qcompile.frontend.checkpoint import resolve_paths
+    from qcompile.frontend.config import load_config
+
+    config_path, _ = resolve_paths(source)
+    if load_config(config_path).quantization is not None:
+        raise UsageError("--compare transformers: transformers cannot run this FP8 checkpoint here (its FP8 loader "
+                         "needs accelerate and a GPU); bench it without --compare, and compare transformers on a float "
+                         "checkpoint of the same shapes")
+
+
 def run_bench(opts: BenchOptions, emit=print) -> dict:
     """Run the benchmark; returns the report (the --json content)."""
     from qcompile.runtime.artifact import is_artifact
@@ -104,6 +117,8 @@ def run_bench(opts: BenchOptions, emit=print) -> dict:
         raise UsageError("--passes and --ablate need a checkpoint: an artifact's passes were fixed when it was compiled")
     if artifact and opts.compare:
         raise UsageError("--compare transformers needs the checkpoint (transformers cannot load an artifact)")
+    if opts.compare and not artifact:
+        _check_transformers_loads(opts.source)
     if artifact and opts.dtype:
         raise UsageError("--dtype does not apply to an artifact: its dtype was fixed when it was compiled")
     if artifact and opts.mesh is not None:
