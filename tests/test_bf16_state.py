@@ -148,6 +148,8 @@ def test_a_drift_failure_reproduces_on_the_rules_it_failed_on(model, tmp_path, m
     """A lossy pass that passes the check batch but fails its drift decode (here: an agreement it cannot reach)
     writes a reproducer that records the checker's target and the drift length; `reproduce` re-runs the drift
     decode on those rules and still fails, instead of reporting "no longer fails" from the check batch alone."""
+    if model[0].config.family != "qwen3_5_moe":
+        pytest.skip("the reproducer's drift path does not depend on the family: one in the default suite (time)")
     from qcompile.compiler.reproduce import reproduce
     from qcompile.passes import registry
     from qcompile.passes.manager import Reproducer

@@ -153,7 +153,8 @@ def test_a_compiled_fp8_artifact_holds_fp8_weights_and_runs(fp8_tiny, tmp_path, 
         return captured.out
 
     art = tmp_path / "art"
-    run("compile", str(fp8_tiny), "--dtype", "f32", "--passes", "swiglu-fusion", "--verify", "none", "-o", str(art))
+    run("compile", str(fp8_tiny), "--dtype", "f32", "--passes", "swiglu-fusion", "--verify", "none", "-o", str(art),
+        "--max-seqs", "2", "--max-context", "32", "--max-step-tokens", "8")
     store = TensorStore.open(art / "weights.safetensors")
     dtypes = {store.info(n).dtype for n in store.names()}
     assert "F8_E4M3" in dtypes

@@ -244,9 +244,11 @@ def test_the_compiled_step_holds_the_collectives_the_plan_predicts(small):
             + gathered["all-reduce"]["sent_bytes"] - plan.tp_allreduce_bytes) == plan.moe_bytes
 
 
+@pytest.mark.slow
 def test_a_tensor_parallel_artifact_runs_like_the_single_device_model(tmp_path, capsys):
     """compile --mesh 4x2 --layout dp4xtp2 with every lossless pass (the fusions on the regrouped weights), then
-    run the artifact: the same greedy tokens as the unoptimized model on one device; bad --layout uses exit 2."""
+    run the artifact: the same greedy tokens as the unoptimized model on one device. (Slow tier: the default suite
+    checks the same laid-out graphs against the single-device one in-process, above.)"""
     import json
 
     from qcompile.cli import main
@@ -271,6 +273,13 @@ def test_a_tensor_parallel_artifact_runs_like_the_single_device_model(tmp_path, 
         assert done.value.code == 0
         outputs.append(capsys.readouterr().out)
     assert outputs[0] == outputs[1] and len(outputs[0].splitlines()) == 2
+
+
+def test_bad_layouts_are_usage_errors(tmp_path, capsys):
+    """--layout without --mesh, without gqa-sharding, or naming a plan the heads cannot take: exit 2 with why."""
+    from qcompile.cli import main
+
+    path = write_small(tmp_path / "ckpt")
     for argv, message in ((["--layout", "dp4xtp2"], "--layout needs --mesh"),
                           (["--mesh", "4x2", "--layout", "dp4xtp2", "--passes", "none"], "do not include gqa-sharding"),
                           (["--mesh", "2x4", "--layout", "dp2xtp4"], "2 KV heads do not split 4 ways")):

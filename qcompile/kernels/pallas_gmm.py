@@ -155,20 +155,10 @@ def gmm_swiglu_fp8_pallas(rows, values, scale, group_sizes, *, interpret=False, 
     grid = (col_blocks, tile.shape[0], k // tk)
     kb, nb = scale.shape[1:]
 
-    def x_map(j, v, kk, tile, group, first, valid, starts, ends):
-        return tile[v], kk
+    x_map, gate_map, up_map, out_map = _index_maps(col_blocks)
 
-    def gate_map(j, v, kk, tile, group, first, valid, starts, ends):
-        return group[v], kk, j
-
-    def up_map(j, v, kk, tile, group, first, valid, starts, ends):
-        return group[v], kk, j + col_blocks
-
-    def scale_map(j, v, kk, tile, group, first, valid, starts, ends):
+    def scale_map(j, v, kk, tile, group, first, valid, starts, ends):  # the visit's expert's whole scale table
         return group[v], 0, 0
-
-    def out_map(j, v, kk, tile, group, first, valid, starts, ends):
-        return tile[v], j
 
     scale_spec = pl.BlockSpec((None, kb, nb), scale_map, memory_space=pltpu.SMEM)
     call = pl.pallas_call(
@@ -189,6 +179,26 @@ def gmm_swiglu_fp8_pallas(rows, values, scale, group_sizes, *, interpret=False, 
     )
     scale = scale.astype(jnp.float32)
     return call(tile, group, first, valid, starts, ends, x, values, values, scale, scale)[:n]
+
+
+def _index_maps(col_blocks: int):
+    """The block index maps of grid (column block j, visit v, k block kk) over the scalar-prefetched visit table:
+    the visit's row tile of x, its group's gate and up weight tiles (up is column block j + col_blocks of the fused
+    weight), its output tile."""
+
+    def x_map(j, v, kk, tile, group, first, valid, starts, ends):
+        return tile[v], kk
+
+    def gate_map(j, v, kk, tile, group, first, valid, starts, ends):
+        return group[v], kk, j
+
+    def up_map(j, v, kk, tile, group, first, valid, starts, ends):
+        return group[v], kk, j + col_blocks
+
+    def out_map(j, v, kk, tile, group, first, valid, starts, ends):
+        return tile[v], j
+
+    return x_map, gate_map, up_map, out_map
 
 
 def _pad_to(x, axis: int, multiple: int):
@@ -222,17 +232,7 @@ def gmm_swiglu_pallas(rows, w, group_sizes, *, interpret=False, tm: int = BLOCK,
     (tile, group, first, valid), (starts, ends) = group_visits(group_sizes, n, tm)
     grid = (col_blocks, tile.shape[0], k_p // tk)
 
-    def x_map(j, v, kk, tile, group, first, valid, starts, ends):
-        return tile[v], kk
-
-    def gate_map(j, v, kk, tile, group, first, valid, starts, ends):
-        return group[v], kk, j
-
-    def up_map(j, v, kk, tile, group, first, valid, starts, ends):
-        return group[v], kk, j + col_blocks
-
-    def out_map(j, v, kk, tile, group, first, valid, starts, ends):
-        return tile[v], j
+    x_map, gate_map, up_map, out_map = _index_maps(col_blocks)
 
     call = pl.pallas_call(
         functools.partial(_kernel, tm=tm, dtype=rows.dtype),
