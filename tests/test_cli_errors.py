@@ -85,11 +85,11 @@ def test_bad_size_is_refused_before_the_checkpoint_is_read(tmp_path, capsys):
 
 def test_help_and_readme_list_the_new_flags(capsys):
     code, out, _ = cli(capsys, "compile", "--help")
-    assert code == 0 and "--num-pages" in out
+    assert code == 0 and "--num-pages" in out and "--fp8 [keep|dequantize]" in out
     code, out, _ = cli(capsys, "run", "--help")
     assert code == 0 and "--ignore-eos" in out
     readme = (__import__("pathlib").Path(__file__).parents[1] / "README.md").read_text()
-    assert "[--num-pages N]" in readme and "[--ignore-eos]" in readme
+    assert "[--num-pages N]" in readme and "[--ignore-eos]" in readme and "[--fp8 keep|dequantize]" in readme
 
 
 # -- 3: a failed export leaves nothing that looks like an artifact ------------------------------------------------
