@@ -98,6 +98,8 @@ def test_the_fp8_flagship_fits_a_tpu7x_host():
     experts = 512 * 3 * 1024 * 4096 * 60 // 8
     assert experts < weights["routed experts"] < experts * 1.001  # the FP8 values, and scales 1/4096 of them
     assert full["memory_per_device"]["weights_total"] < 60 * GIB
+    # the decode step reads the FP8 weights at one byte (the bf16 config's step reads 76.4 GiB per device)
+    assert 40 * GIB < full["decode_step"]["bytes"] < 50 * GIB
 
 
 def test_per_device_bytes_equal_what_jax_places_on_a_device(tmp_path):

@@ -42,7 +42,7 @@ from qcompile.frontend.checkpoint import Checkpoint, canonical_fp8, canonical_pa
 from qcompile.frontend.config import parse_config
 from qcompile.frontend.tiny import hub_tensors
 from qcompile.ir.abi import graph_cache_types
-from qcompile.ir.cost import COSTS, Cost, StepShape
+from qcompile.ir.cost import COSTS, Cost, StepShape, dequantized_reads
 from qcompile.ir.graph import Graph
 from qcompile.ir.hardware import HARDWARE, hardware
 from qcompile.ir.importer import DEFAULT_PAGE_SIZE, ImportOptions, import_graph
@@ -287,13 +287,6 @@ def device_step(graph: Graph, sizes: dict[str, int], step: StepShape, ranks: int
             cost = Cost(cost.flops / _ways(mesh, w_type.sharding, 0), cost.bytes)
         total = total + cost
     return total, sent
-
-
-def dequantized_reads(graph: Graph) -> dict:
-    """Value -> the type its consumers read it as: a dequantized FP8 weight is read as its FP8 values (the matmul
-    rules dequantize in cache; ir/cost.py `step_cost` does the same)."""
-    return {node.results[0]: graph.type_of(node.operands[0]) for node in graph.nodes()
-            if node.op.op_name == "dequantize"}
 
 
 def touched(num_experts: int, held: int, routes: float) -> float:

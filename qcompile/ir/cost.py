@@ -76,13 +76,17 @@ def nbytes(t: TensorType, shape: tuple[int, ...]) -> int:
     return math.prod(shape) * np_dtype(t.dtype)(0).itemsize
 
 
+def dequantized_reads(graph: Graph) -> dict:
+    """Value -> the type its consumers are costed with: a dequantized FP8 weight is read as its FP8 values (the matmul
+    rules dequantize it in cache); the dequantize's own rule counts the scale."""
+    return {node.results[0]: graph.type_of(node.operands[0]) for node in graph.nodes()
+            if node.op.op_name == "dequantize"}
+
+
 def step_cost(graph: Graph, sizes: dict[str, int], step: StepShape) -> Cost:
     """Cost of one step of `graph`: symbolic dims bound by `sizes`, with T and R replaced by the live work."""
     bound = {**sizes, "T": step.tokens, "R": step.rows}
-    # A dequantized FP8 weight is read by its consumer as its FP8 values (the matmul rules dequantize it in cache):
-    # the consumer's rule sees the values' type; the dequantize's own rule counts the scale.
-    read_as = {node.results[0]: graph.type_of(node.operands[0]) for node in graph.nodes()
-               if node.op.op_name == "dequantize"}  # (compiler/plan.py's device step does the same)
+    read_as = dequantized_reads(graph)
     total = Cost()
     for node in graph.nodes():
         rule = COSTS.get(type(node.op))

@@ -16,14 +16,12 @@ from __future__ import annotations
 import math
 
 import attrs
-import jax
-import jax.numpy as jnp
 
 from qcompile.frontend.quantization import SCALE_SUFFIX  # noqa: F401  (the scale parameter's name, re-exported)
 from qcompile.ir.cost import Cost, cost, nbytes
 from qcompile.ir.registry import expect, lowering, op, type_rule
 from qcompile.ir.types import TensorType, np_dtype
-from qcompile.kernels.fp8 import QuantizedWeight, dequantize
+from qcompile.kernels.fp8 import QuantizedWeight, dequantize, expand_scale
 
 
 
@@ -97,5 +95,6 @@ def _refine_scale_type(op_, scale):
 
 @lowering(RefineScale)
 def _refine_scale(op_, scale):
-    out = jnp.repeat(scale, op_.block, axis=op_.axis, total_repeat_length=scale.shape[op_.axis] * op_.block)
-    return jax.lax.slice_in_dim(out, 0, op_.size, axis=op_.axis)
+    block = tuple(op_.block if i == op_.axis else 1 for i in range(scale.ndim))
+    shape = tuple(op_.size if i == op_.axis else d for i, d in enumerate(scale.shape))
+    return expand_scale(scale, block, shape)
