@@ -46,7 +46,7 @@ def _body(graph) -> list[str]:
 def test_layout_ops_sink_to_the_fp8_values_and_scales():
     """Golden: the importer's expert transposes and swiglu-fusion's concat of gate | up become layout ops on the FP8
     values and on the scales, under one dequantize; a concat whose first operand ends inside a block refines the
-    scale along that axis first; a reshape does not sink, so that dequantize is not kept (folded at compile time)."""
+    scale along that axis first (to blocks of gcd(16, 40) = 8); a reshape does not sink, so that dequantize is not kept (folded at compile time)."""
     b = Builder()
     gate = b.add(Transpose((0, 2, 1)), _fp8(b, "gate", (4, 256, 64), (1, 128, 128), (4, 2, 1)))
     up = b.add(Transpose((0, 2, 1)), _fp8(b, "up", (4, 256, 64), (1, 128, 128), (4, 2, 1)))
@@ -69,16 +69,16 @@ def test_layout_ops_sink_to_the_fp8_values_and_scales():
         '%11 = param "a.fp8_scale" : f32[3,1]',
         '%12 = param "c" : f8e4m3[40,64]',
         '%13 = param "c.fp8_scale" : f32[3,1]',
-        '%14 = refine_scale(%11) {axis=0, block=16, size=40} : f32[40,1]',
-        '%15 = refine_scale(%13) {axis=0, block=16, size=40} : f32[40,1]',
+        '%14 = refine_scale(%11) {axis=0, block=16, size=40, to=8} : f32[5,1]',
+        '%15 = refine_scale(%13) {axis=0, block=16, size=40, to=8} : f32[5,1]',
         '%16 = concat(%10, %12) {axis=0} : f8e4m3[80,64]',
-        '%17 = concat(%14, %15) {axis=0} : f32[80,1]',
+        '%17 = concat(%14, %15) {axis=0} : f32[10,1]',
         '%18 = param "r" : f8e4m3[40,64]',
         '%19 = param "r.fp8_scale" : f32[3,1]',
         '%20 = dequantize(%18, %19) {block=[16, 64], dtype="f32"} : f32[40,64]',
         '%21 = reshape(%20) {shape=[2560]} : f32[2560]',
         '%22 = dequantize(%8, %9) {block=[1, 128, 128], dtype="f32"} : f32[4,64,512]',
-        '%23 = dequantize(%16, %17) {block=[1, 64], dtype="f32"} : f32[80,64]',
+        '%23 = dequantize(%16, %17) {block=[8, 64], dtype="f32"} : f32[80,64]',
         'return fused=%22, cut=%23, flat=%21',
     ]
     sunk = sink_dequantize(graph)
@@ -177,33 +177,83 @@ def test_a_compiled_fp8_artifact_holds_fp8_weights_and_runs(fp8_tiny, tmp_path, 
     assert (art / "weights.safetensors").stat().st_size < 0.5 * plain_bytes
 
 
+def test_a_split_fp8_weight_splits_its_values_and_scales():
+    """Golden: tensor parallelism's regrouping of an FP8 weight (row slices, one concat: passes/rewrite.py
+    `regroup_rows`) and its split over the mesh apply to the values and the scales. Cuts inside a 128-row block (the
+    64-row pieces) make the scale as fine as they need first (blocks of 64; one refine_scale for every slice); a
+    split whose device share ends on block edges keeps whole blocks (o: 256 of 512 columns per device); one whose
+    share ends inside a block (z: 96 of 192 rows) refines to gcd(128, 96) = 32 rows first."""
+    import attrs
+
+    from qcompile.ir.mesh import parse_mesh_spec
+    from qcompile.ir.types import Sharding
+    from qcompile.passes.rewrite import regroup_rows
+
+    mesh = parse_mesh_spec("2")
+    b = Builder()
+    qkv = regroup_rows(b, _fp8(b, "qkv", (384, 64), (128, 64), (3, 1)), (128, 128, 128), 2)
+    b.annotate(qkv, Sharding(("tensor", None)))
+    o = _fp8(b, "o", (64, 512), (64, 128), (1, 4))
+    b.annotate(o, Sharding((None, "tensor")))
+    z = _fp8(b, "z", (192, 64), (128, 64), (2, 1))
+    b.annotate(z, Sharding(("tensor", None)))
+    for name, value in (("qkv", qkv), ("o", o), ("z", z)):
+        b.output(name, value)
+    graph = b.build({"mesh": attrs.evolve(mesh, rules={"tensor": tuple(mesh.axes)})})
+    body = _body(sink_dequantize(graph))[1:]  # after the mesh line
+    assert body[:3] == ['%0 = param "qkv" : f8e4m3[384,64]', '%1 = param "qkv.fp8_scale" : f32[3,1]',
+                        '%2 = refine_scale(%1) {axis=0, block=128, size=384, to=64} : f32[6,1]']
+    assert body[3:5] == ['%3 = slice(%0) {axis=0, start=0, stop=64} : f8e4m3[64,64]',
+                         '%4 = slice(%2) {axis=0, start=0, stop=1} : f32[1,1]']
+    assert body[15:] == [
+        '%15 = concat(%3, %5, %7, %9, %11, %13) {axis=0} : f8e4m3[384,64]<tensor,_>',
+        '%16 = concat(%4, %6, %8, %10, %12, %14) {axis=0} : f32[6,1]<tensor,_>',
+        '%17 = param "o" : f8e4m3[64,512]<_,tensor>',
+        '%18 = param "o.fp8_scale" : f32[1,4]<_,tensor>',
+        '%19 = param "z" : f8e4m3[192,64]<tensor,_>',
+        '%20 = param "z.fp8_scale" : f32[2,1]',
+        '%21 = dequantize(%15, %16) {block=[64, 64], dtype="f32"} : f32[384,64]<tensor,_>',
+        '%22 = dequantize(%17, %18) {block=[64, 128], dtype="f32"} : f32[64,512]<_,tensor>',
+        '%23 = refine_scale(%20) {axis=0, block=128, size=192, to=32} : f32[6,1]<tensor,_>',
+        '%24 = dequantize(%19, %23) {block=[32, 64], dtype="f32"} : f32[192,64]<tensor,_>',
+        'return qkv=%21, o=%22, z=%24',
+    ]
+    # the regrouped order: device 0 holds rows 0-63 of each section, device 1 rows 64-127
+    assert [line.split("start=")[1].split(",")[0] for line in body[3:15:2]] == ["0", "128", "256", "64", "192", "320"]
+
+
 def test_fp8_weights_on_a_mesh(fp8_tiny):
-    """gqa-sharding lays an FP8 graph out data- and expert-parallel (values and scales split by expert), checked on
-    the simulated mesh; a tensor-parallel plan says why it cannot be laid out."""
+    """gqa-sharding lays an FP8 graph out dp4×tp2 on 4x2 (expert values and scales split by expert; the projections
+    split by heads, the GDN q|k|v projection regrouped first; swiglu-fusion and gdn-conv-fusion on the laid-out
+    weights), checked on the simulated mesh against the single-device graph; every prepared weight stays FP8 on its
+    devices and every dequantize stays in the step (in the matmul rules)."""
+    from qcompile.ir.graph import Graph
     from qcompile.ir.mesh import parse_mesh_spec
     from qcompile.passes.base import PassContext
     from qcompile.passes.equivalence import EquivalenceChecker
     from qcompile.passes.registry import PASSES
 
     model = load_model(fp8_tiny, "f32", progress=False)
-    model.graph.meta["mesh"] = parse_mesh_spec("2")
-    checker = EquivalenceChecker(model.graph, model.params, seed=3)
-    result = PASSES["gqa-sharding"].run(model.graph, PassContext(options=(("concurrency", 8),)))
-    assert result.stats["plan"] == "dp2+ep"
-    from qcompile.passes.gqa_sharding import model_facts, tp_problem
-
-    assert "keeps FP8 weights" in tp_problem(model.graph, model_facts(model.graph), model.graph.meta["mesh"], 2)
-    from qcompile.ir.ops.moe import GroupedMatmul
-
-    graph = result.graph
-    weights = [graph.node(n.operands[1].node) for n in graph.find(GroupedMatmul)]
-    assert weights and all(isinstance(w.op, Dequantize) for w in weights)
-    for w in weights:  # values and scale split by expert
-        for operand in w.operands:
-            sharding = graph.type_of(operand).sharding
-            assert sharding is not None and sharding.dims[0] == "experts", graph.type_of(operand)
-    check = checker.check(result.graph, PASSES["gqa-sharding"].bound("f32"))
+    graph = Graph(model.graph.dag, model.graph.outputs, {**model.graph.meta, "mesh": parse_mesh_spec("4x2")})
+    checker = EquivalenceChecker(graph, model.params, seed=3, target="cpu")
+    result = PASSES["gqa-sharding"].run(graph, PassContext(options=(("concurrency", 8), ("layout", "dp4xtp2"))))
+    assert result.stats["plan"] == "dp4xtp2+ep"
+    laid_out = result.graph
+    for name in ("swiglu-fusion", "gdn-conv-fusion"):
+        laid_out = PASSES[name].run(laid_out, PassContext()).graph
+    sunk = sink_dequantize(laid_out)
+    dequantizes = [n for n in sunk.nodes() if isinstance(n.op, Dequantize)]
+    assert dequantizes and {n.id for n in dequantizes} == kept_dequantizes(sunk)
+    splits = {str(sunk.type_of(n.operands[0]).sharding) for n in dequantizes}  # FP8 values, by device
+    assert {"<tensor,_>", "<_,tensor>", "<experts,_,_>"} <= splits, splits
+    folded = fold_weight_preparation(laid_out)
+    prepared = [n.op.type for n in folded.find(Param) if n.op.name in folded.meta["prepared"]]
+    assert any(t.dtype == "f8e4m3" and str(t.sharding) == "<tensor,_>" for t in prepared)  # regrouped q|k|v, gate|up
+    text = print_graph(laid_out)
+    assert "linear_swiglu(" in text and "groups=2" in text
+    check = checker.check(laid_out, PASSES["gqa-sharding"].bound("f32"))
     assert check.ok, check.reason
+    assert {"logits", "layers.0.conv_state", "layers.3.k_pages"} <= set(check.errors)
 
 
 def test_a_fp8_config_is_planned_with_fp8_weights():
@@ -276,6 +326,46 @@ def test_the_pallas_grouped_matmul_reads_fp8_tiles(dtype):
                              platforms=["tpu"])(rows, values, scale, groups)
     text = exported.mlir_module()
     assert "tpu_custom_call" in text and "f8E4M3FN" in text  # the FP8 bytes go into the kernel
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_the_pallas_down_projection_reads_fp8_tiles(dtype):
+    """grouped_matmul's tpu rule on an FP8 [E, I, H] weight in Qwen's layout runs gmm_fp8_pallas (interpreted here):
+    equal to ragged_dot on the dequantized weight over ragged groups with an empty one, every routed row written
+    (the output is compared whole, NaN-free), padding rows 0; it exports for TPU as a Mosaic call on FP8 operands;
+    a layout that is not the kernel's tiles goes to ragged_dot on the dequantized weight."""
+    import jax
+    import jax.numpy as jnp
+    from jax import export
+    from test_target_rules import quantized
+
+    from qcompile.ir.ops.moe import GroupedMatmul
+    from qcompile.ir.registry import lowering_rule
+    from qcompile.kernels import pallas_gmm
+    from qcompile.kernels.fp8 import QuantizedWeight, dequantize
+    from qcompile.kernels.grouped_matmul import grouped_matmul_reference
+
+    jdtype = jnp.float32 if dtype == "f32" else jnp.bfloat16
+    rng = np.random.default_rng(11)
+    rule = lowering_rule(GroupedMatmul, "tpu")
+    rows = jnp.asarray(rng.standard_normal((45, 256)), jdtype)
+    groups = jnp.asarray([12, 0, 21, 5], jnp.int32)  # 38 routed rows of 45: row tiles straddle the groups
+    for block, shape in (((1, 128, 128), (4, 256, 384)), ((1, 64, 128), (4, 256, 384))):
+        values, scale = quantized(rng.standard_normal(shape), block)
+        want = np.asarray(grouped_matmul_reference(
+            rows, dequantize(jnp.asarray(values), jnp.asarray(scale), block, jdtype), groups), np.float64)
+        got = np.asarray(jax.jit(lambda r, v, s, g: rule(GroupedMatmul(), r, QuantizedWeight(v, s, block, jdtype), g))(
+            rows, values, scale, groups), np.float64)
+        assert np.isfinite(got).all() and np.abs(want[:38]).min(axis=1).max() > 0
+        tolerance = (1e-6 if dtype == "f32" else 1e-2) * np.abs(want).max()
+        np.testing.assert_allclose(got[:38], want[:38], rtol=0, atol=tolerance)
+        assert not got[38:].any()
+        text = export.export(jax.jit(lambda r, v, s, g: rule(GroupedMatmul(), r, QuantizedWeight(v, s, block, jdtype),
+                                                             g)), platforms=["tpu"])(rows, values, scale, groups)
+        text = text.mlir_module()
+        assert ("tpu_custom_call" in text) == (block == (1, 128, 128)) and "f8E4M3FN" in text
+    assert pallas_gmm.fp8_tiles_fit((4, 256, 384), (1, 128, 128), fused=False)
+    assert not pallas_gmm.fp8_tiles_fit((4, 256, 384), (1, 128, 128))  # as [gate | up]: 192 is no tile multiple
 
 
 def test_bench_refuses_to_compare_transformers_on_an_fp8_checkpoint(fp8_tiny, capsys):

@@ -39,13 +39,17 @@ class Builder:
         return results[0] if len(results) == 1 else results
 
     def annotate(self, value: Value, sharding) -> None:
-        """Give an already added result a sharding (a rewrite keeping the layout of the value it replaces)."""
+        """Give an already added result a sharding (a rewrite keeping the layout of the value it replaces); a param's
+        or input's declared type changes with it."""
         import attrs
 
         node = self._dag.nodes[value.node]["node"]
         types = list(node.types)
         types[value.index] = types[value.index].with_sharding(sharding)
-        self._dag.nodes[value.node]["node"] = attrs.evolve(node, types=tuple(types))
+        op = node.op
+        if isinstance(op, (Input, Param)):
+            op = attrs.evolve(op, type=types[value.index])
+        self._dag.nodes[value.node]["node"] = attrs.evolve(node, op=op, types=tuple(types))
 
     def _leaf(self, cls, name: str, type_: TensorType) -> Value:
         key = (cls, name)

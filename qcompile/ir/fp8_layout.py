@@ -8,9 +8,12 @@ commutes with it when the scale moves with the values:
     slice(dequantize(w, s)) on block edges    = dequantize(slice(w), slice(s))
     concat(dequantize(w_i, s_i)), blocks whole = dequantize(concat(w_i), concat(s_i))
     cast(dequantize(w, s){dtype})             = dequantize(w, s){new dtype}
+    dequantize(w, s) split along a mesh axis  = dequantize(w split alike, s split alike)
 
-A cut inside a block (a slice, or a concat operand whose size is not a multiple of the block) first makes the scale
-finer along that axis (`refine_scale`: blocks of 1 there), so every layout op above sinks; a scale then costs more
+
+A cut inside a block (a slice, a concat operand whose size is not a multiple of the block, a device's share of a split
+dim) first makes the scale finer along that axis (`refine_scale`: blocks of the gcd of the block and the cuts), so
+every layout op above sinks; a scale then costs more
 bytes, never the weight. `sink_dequantize` rewrites a graph so; `fold_weight_preparation` (ir/weights.py) calls it
 first, then folds the FP8 layout ops into prepared FP8 parameters, and `lower` calls it so an unfolded graph (the
 checker's) runs its dequantizes where the folded one will, inside the matmul rules.
@@ -27,6 +30,7 @@ from qcompile.ir.builder import Builder
 from qcompile.ir.graph import Graph, Value
 from qcompile.ir.ops.core import Cast, Concat, Input, Param, Slice, Transpose
 from qcompile.ir.ops.quant import Dequantize, RefineScale
+from qcompile.ir.types import Sharding
 
 #: ops that only move or convert a weight's elements: preparation when their operands are parameters
 LAYOUT_OPS = (Transpose, Slice, Concat, Cast)
@@ -36,18 +40,22 @@ def has_dequantize(graph: Graph) -> bool:
     return any(isinstance(node.op, Dequantize) for node in graph.nodes())
 
 
-def _refined(b: Builder, w: Value, s: Value, block: tuple, axis: int) -> tuple[Value, tuple]:
-    """The scale in blocks of 1 along `axis`."""
-    if block[axis] == 1:
+def _refined(b: Builder, w: Value, s: Value, block: tuple, axis: int, memo: dict, to: int = 1) -> tuple[Value, tuple]:
+    """The scale in blocks of `to` (a divisor of the block) along `axis` (one refine_scale per scale, axis and
+    size: `memo`)."""
+    if block[axis] == to:
         return s, block
-    size = b.type_of(w).shape[axis]
-    s = b.add(RefineScale(axis, block[axis], size), s)
-    return s, tuple(1 if i == axis else x for i, x in enumerate(block))
+    key = (s, axis, to)
+    if key not in memo:
+        memo[key] = b.add(RefineScale(axis, block[axis], b.type_of(w).shape[axis], to), s)
+    return memo[key], tuple(to if i == axis else x for i, x in enumerate(block))
 
 
-def _sink(b: Builder, op, parts: list[tuple[Value, Value, Dequantize]]) -> tuple[Value, Value, Dequantize] | None:
+def _sink(b: Builder, op, parts: list[tuple[Value, Value, Dequantize]],
+          memo: dict) -> tuple[Value, Value, Dequantize] | None:
     """`op` applied to dequantized operands, as (values, scale, dequantize) of `op` applied to the values and scales
-    (None: it does not commute — operands quantized in different blocks or to different dtypes)."""
+    (None: it does not commute — operands quantized to different dtypes). A cut inside a block makes the blocks
+    along its axis as fine as the cuts need (the gcd of the block and the cut offsets)."""
     w0, s0, dq = parts[0]
     block = tuple(dq.block)
     if isinstance(op, Cast):
@@ -58,20 +66,43 @@ def _sink(b: Builder, op, parts: list[tuple[Value, Value, Dequantize]]) -> tuple
     if isinstance(op, Slice):
         axis = op.axis % rank
         size = b.type_of(w0).shape[axis]
-        if op.start % block[axis] or (op.stop % block[axis] and op.stop != size):
-            s0, block = _refined(b, w0, s0, block, axis)
+        s0, block = _refined(b, w0, s0, block, axis, memo,
+                             math.gcd(block[axis], op.start, op.stop if op.stop != size else 0))
         step = block[axis]
         return (b.add(op, w0), b.add(Slice(axis, op.start // step, math.ceil(op.stop / step)), s0),
                 Dequantize(block, dq.dtype))
     if isinstance(op, Concat):
         axis = op.axis % rank
-        if any(tuple(p[2].block) != block or p[2].dtype != dq.dtype for p in parts):
+        if any(len(p[2].block) != rank or p[2].dtype != dq.dtype for p in parts):
             return None
-        aligned = all(b.type_of(w).shape[axis] % block[axis] == 0 for w, _, _ in parts[:-1])
-        scales = [s if aligned else _refined(b, w, s, block, axis)[0] for w, s, _ in parts]
-        block = block if aligned else tuple(1 if i == axis else x for i, x in enumerate(block))
-        return b.add(op, *(w for w, _, _ in parts)), b.add(Concat(axis), *scales), Dequantize(block, dq.dtype)
+        # per axis the blocks every operand can be cut into: the gcd of their blocks (and, along the concat axis, of
+        # every operand's size but the last, so each one starts on a block edge)
+        common = [math.gcd(*(p[2].block[i] for p in parts)) for i in range(rank)]
+        common[axis] = math.gcd(common[axis], *(b.type_of(w).shape[axis] for w, _, _ in parts[:-1]))
+        scales = []
+        for w, s, part in parts:
+            part_block = tuple(part.block)
+            for i in range(rank):
+                s, part_block = _refined(b, w, s, part_block, i, memo, common[i])
+            scales.append(s)
+        return b.add(op, *(w for w, _, _ in parts)), b.add(Concat(axis), *scales), Dequantize(tuple(common), dq.dtype)
     return None
+
+
+def _split(b: Builder, w: Value, s: Value, dq: Dequantize, sharding, mesh,
+           memo: dict) -> tuple[Value, Value, Dequantize]:
+    """The values and scale of a dequantized weight given `sharding` (a tensor-parallel layout annotated on the
+    dequantized weight): each device holds its rows' values and their blocks' scales — whole blocks when a device's
+    share is a block multiple, else blocks made as fine as the share needs (gcd of block and share) first."""
+    block = tuple(dq.block)
+    shape = b.type_of(w).shape
+    for axis, name in enumerate(sharding.dims):
+        if name is not None:
+            s, block = _refined(b, w, s, block, axis, memo, math.gcd(block[axis], shape[axis] // mesh.ways(name)))
+    dims = Sharding(sharding.dims)
+    b.annotate(w, dims)
+    b.annotate(s, dims)
+    return w, s, Dequantize(block, dq.dtype)
 
 
 def sink_dequantize(graph: Graph) -> Graph:
@@ -84,10 +115,17 @@ def sink_dequantize(graph: Graph) -> Graph:
     mapping: dict[Value, Value] = {}
     pending: dict[Value, tuple] = {}  # a dequantized value not emitted yet -> (values, scale, op, sharding)
     changed = False
+    mesh = graph.meta.get("mesh")
+    refined: dict = {}  # (scale, axis) -> the scale in blocks of 1 along the axis
 
     def value(v: Value) -> Value:
+        nonlocal changed
         if v not in mapping:
             w, s, dq, sharding = pending[v]
+            if sharding is not None and mesh is not None and sharding.dims != (b.type_of(w).sharding or
+                                                                                Sharding((None,) * len(dq.block))).dims:
+                w, s, dq = _split(b, w, s, dq, sharding, mesh, refined)
+                changed = True
             mapping[v] = b.add(dq, w, s)
             if sharding is not None:
                 b.annotate(mapping[v], sharding)
@@ -100,7 +138,7 @@ def sink_dequantize(graph: Graph) -> Graph:
                                         node.types[0].sharding)
             continue
         if isinstance(op, LAYOUT_OPS) and node.operands and all(v in pending for v in node.operands):
-            sunk = _sink(b, op, [pending[v][:3] for v in node.operands])
+            sunk = _sink(b, op, [pending[v][:3] for v in node.operands], refined)
             if sunk is not None:
                 pending[node.results[0]] = (*sunk, node.types[0].sharding)
                 changed = True

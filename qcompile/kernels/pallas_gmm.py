@@ -1,5 +1,5 @@
 """Pallas TPU grouped matmul, block-sparse over expert groups, with the SwiGLU epilogue fused (tpu rule of
-grouped_matmul_swiglu).
+grouped_matmul_swiglu), and its plain form on FP8 weights (tpu rule of grouped_matmul given FP8 weights).
 
 out[N, I] = silu(y[:, :I]) · y[:, I:] with y[r] = rows[r] · w[e(r)], w[E, K, 2I] = [gate | up], rows sorted by expert
 (group e owns the consecutive rows [start_e, start_e + g_e); rows past Σg come back 0) — the contract of
@@ -28,7 +28,8 @@ of 128 or the whole dim; K: zero products; I: silu(0)·0 = 0, sliced off) and N 
 no group). Padding the weights per call costs
 a copy; weights whose I and K are multiples of 128 (every published Qwen3.5/Qwen3-Next MoE shape) need none.
 
-FP8 weights (`gmm_swiglu_fp8_pallas`; the tpu rule given a deferred FP8 weight, kernels/fp8.py): the weight blocks
+FP8 weights (`gmm_swiglu_fp8_pallas`, and `gmm_fp8_pallas` for the plain grouped matmul — the experts' down
+projection —: the tpu rules given a deferred FP8 weight, kernels/fp8.py): the weight blocks
 are read as FP8 — one byte a weight from HBM — with the expert's block scales ([K/tk, 2I/tn] f32, one per weight
 tile) in SMEM, and each [tk, tn] tile is dequantized in VMEM (FP8 → f32 × its scale → the rows' dtype: the same
 single rounding as the reference's dequantize) just before its dot. It takes Qwen's layout — blocks of 1 × 128 ×
@@ -86,16 +87,18 @@ def group_visits(group_sizes, num_rows: int, tm: int):
     return (tile, group, first.astype(jnp.int32), valid.astype(jnp.int32)), (starts, ends)
 
 
-def _kernel(tile_ref, group_ref, first_ref, valid_ref, start_ref, end_ref, x_ref, wg_ref, wu_ref, out_ref,
-            acc_gate, acc_up, *, tm: int, dtype):
+def _grouped_kernel(tile_ref, group_ref, first_ref, valid_ref, start_ref, end_ref, x_ref, w_refs, out_ref, accs, *,
+                    tm: int, epilogue):
+    """One (column block, visit, k block) step: each weight ref's f32 accumulator sums x · w over k; at the last k
+    block `epilogue(accumulators)` of the visit's group's rows is added into the output tile (zeroed by the tile's
+    first visit)."""
     v, kk = pl.program_id(1), pl.program_id(2)
-    last_k = kk == pl.num_programs(2) - 1
     valid = valid_ref[v] == 1
 
     @pl.when(kk == 0)
     def _zero_accumulators():
-        acc_gate[...] = jnp.zeros_like(acc_gate)
-        acc_up[...] = jnp.zeros_like(acc_up)
+        for acc in accs:
+            acc[...] = jnp.zeros_like(acc)
 
     @pl.when(valid & (kk == 0) & (first_ref[v] == 1))
     def _zero_output_tile():
@@ -104,40 +107,61 @@ def _kernel(tile_ref, group_ref, first_ref, valid_ref, start_ref, end_ref, x_ref
     @pl.when(valid)
     def _accumulate():
         x = x_ref[...]
-        acc_gate[...] += jnp.dot(x, wg_ref[...], preferred_element_type=jnp.float32)
-        acc_up[...] += jnp.dot(x, wu_ref[...], preferred_element_type=jnp.float32)
+        for acc, w_ref in zip(accs, w_refs):
+            acc[...] += jnp.dot(x, w_ref[...], preferred_element_type=jnp.float32)
 
-    @pl.when(valid & last_k)
+    @pl.when(valid & (kk == pl.num_programs(2) - 1))
     def _epilogue():
         group = group_ref[v]
-        row = tile_ref[v] * tm + jax.lax.broadcasted_iota(jnp.int32, acc_gate.shape, 0)
+        row = tile_ref[v] * tm + jax.lax.broadcasted_iota(jnp.int32, accs[0].shape, 0)
         mine = (row >= start_ref[group]) & (row < end_ref[group])
-        gate, up = acc_gate[...].astype(dtype), acc_up[...].astype(dtype)
-        y = jax.nn.silu(gate) * up
+        y = epilogue(*(acc[...] for acc in accs))
         out_ref[...] += jnp.where(mine, y, jnp.zeros_like(y)).astype(out_ref.dtype)
+
+
+def _kernel(tile_ref, group_ref, first_ref, valid_ref, start_ref, end_ref, x_ref, wg_ref, wu_ref, out_ref,
+            acc_gate, acc_up, *, tm: int, dtype):
+    """The SwiGLU kernel: gate and up accumulators, silu(gate) · up in the rows' dtype (as the unfused graph rounds
+    each projection to it first)."""
+    _grouped_kernel(tile_ref, group_ref, first_ref, valid_ref, start_ref, end_ref, x_ref, (wg_ref, wu_ref), out_ref,
+                    (acc_gate, acc_up), tm=tm,
+                    epilogue=lambda gate, up: jax.nn.silu(gate.astype(dtype)) * up.astype(dtype))
+
+
+class _DequantizedTile:
+    """An FP8 weight tile ref as the kernels read it (ref[...]): times its block scale, rounded to the rows' dtype."""
+
+    def __init__(self, ref, scale, dtype):
+        self.ref, self.scale, self.dtype = ref, scale, dtype
+
+    def __getitem__(self, index):
+        return (self.ref[index].astype(jnp.float32) * self.scale).astype(self.dtype)
 
 
 def _kernel_fp8(tile_ref, group_ref, first_ref, valid_ref, start_ref, end_ref, x_ref, wg_ref, wu_ref, sg_ref,
                 su_ref, out_ref, acc_gate, acc_up, *, tm: int, dtype, col_blocks: int):
     """_kernel on FP8 weight tiles: each tile times its block scale (SMEM), rounded to the rows' dtype, then the dot."""
     j, kk = pl.program_id(0), pl.program_id(2)
-    gate_scale, up_scale = sg_ref[kk, j], su_ref[kk, j + col_blocks]
-
-    class Dequantized:  # the weight refs as _kernel reads them (ref[...])
-        def __init__(self, ref, scale):
-            self.ref, self.scale = ref, scale
-
-        def __getitem__(self, index):
-            return (self.ref[index].astype(jnp.float32) * self.scale).astype(dtype)
-
-    _kernel(tile_ref, group_ref, first_ref, valid_ref, start_ref, end_ref, x_ref, Dequantized(wg_ref, gate_scale),
-            Dequantized(wu_ref, up_scale), out_ref, acc_gate, acc_up, tm=tm, dtype=dtype)
+    _kernel(tile_ref, group_ref, first_ref, valid_ref, start_ref, end_ref, x_ref,
+            _DequantizedTile(wg_ref, sg_ref[kk, j], dtype), _DequantizedTile(wu_ref, su_ref[kk, j + col_blocks], dtype),
+            out_ref, acc_gate, acc_up, tm=tm, dtype=dtype)
 
 
-def fp8_tiles_fit(w_shape, block, tk: int = BLOCK, tn: int = BLOCK) -> bool:
-    """Whether an FP8 [E, K, 2I] weight in blocks of `block` is in the layout gmm_swiglu_fp8_pallas takes."""
-    _, k, two_i = w_shape
-    return tuple(block) == (1, tk, tn) and k % tk == 0 and (two_i // 2) % tn == 0
+def _kernel_gmm_fp8(tile_ref, group_ref, first_ref, valid_ref, start_ref, end_ref, x_ref, w_ref, s_ref, out_ref, acc,
+                    *, tm: int, dtype):
+    """The plain grouped matmul (the down projection) on FP8 weight tiles: one accumulator, rounded to the rows'
+    dtype."""
+    j, kk = pl.program_id(0), pl.program_id(2)
+    _grouped_kernel(tile_ref, group_ref, first_ref, valid_ref, start_ref, end_ref, x_ref,
+                    (_DequantizedTile(w_ref, s_ref[kk, j], dtype),), out_ref, (acc,), tm=tm,
+                    epilogue=lambda y: y.astype(dtype))
+
+
+def fp8_tiles_fit(w_shape, block, tk: int = BLOCK, tn: int = BLOCK, fused: bool = True) -> bool:
+    """Whether an FP8 weight in blocks of `block` is in the layout the FP8 kernels take: [E, K, 2I] for
+    gmm_swiglu_fp8_pallas (`fused`), [E, K, N] for gmm_fp8_pallas."""
+    _, k, cols = w_shape
+    return tuple(block) == (1, tk, tn) and k % tk == 0 and (cols // 2 if fused else cols) % tn == 0
 
 
 def gmm_swiglu_fp8_pallas(rows, values, scale, group_sizes, *, interpret=False, tm: int = BLOCK, tk: int = BLOCK,
@@ -179,6 +203,49 @@ def gmm_swiglu_fp8_pallas(rows, values, scale, group_sizes, *, interpret=False, 
     )
     scale = scale.astype(jnp.float32)
     return call(tile, group, first, valid, starts, ends, x, values, values, scale, scale)[:n]
+
+
+def gmm_fp8_pallas(rows, values, scale, group_sizes, *, interpret=False, tm: int = BLOCK, tk: int = BLOCK,
+                   tn: int = BLOCK):
+    """grouped_matmul (rows [N, K] · w[e] [K, N_out], no epilogue: the experts' down projection) on FP8 weights
+    [E, K, N_out] with scales [E, K/tk, N_out/tn] — blocks = tiles, as gmm_swiglu_fp8_pallas."""
+    n, k = rows.shape
+    out_cols = values.shape[2]
+    if n == 0 or out_cols == 0:
+        return jnp.zeros((n, out_cols), rows.dtype)
+    tm = min(tm, -(-n // 8) * 8)
+    x = _pad_to(rows, 0, tm)
+    (tile, group, first, valid), (starts, ends) = group_visits(group_sizes, n, tm)
+    x_map, w_map, _, out_map = _index_maps(out_cols // tn)
+    kb, nb = scale.shape[1:]
+
+    def scale_map(j, v, kk, tile, group, first, valid, starts, ends):
+        return group[v], 0, 0
+
+    call = pl.pallas_call(
+        functools.partial(_kernel_gmm_fp8, tm=tm, dtype=rows.dtype),
+        out_shape=jax.ShapeDtypeStruct((x.shape[0], out_cols), rows.dtype),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=6,
+            grid=(out_cols // tn, tile.shape[0], k // tk),
+            in_specs=[pl.BlockSpec((tm, tk), x_map), pl.BlockSpec((None, tk, tn), w_map),
+                      pl.BlockSpec((None, kb, nb), scale_map, memory_space=pltpu.SMEM)],
+            out_specs=pl.BlockSpec((tm, tn), out_map),
+            scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32)],
+        ),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary", "arbitrary")),
+        interpret=interpret,
+    )
+    return call(tile, group, first, valid, starts, ends, x, values, scale.astype(jnp.float32))[:n]
+
+
+def gmm_fp8_tpu(rows, w: QuantizedWeight, group_sizes):
+    """gmm_fp8_pallas as a lowering rule (a deferred FP8 weight whose layout `fp8_tiles_fit(..., fused=False)`):
+    compiled on TPU, interpreted on any other platform."""
+    return jax.lax.platform_dependent(
+        rows, w.values, w.scale, group_sizes,
+        tpu=functools.partial(gmm_fp8_pallas, interpret=False),
+        default=functools.partial(gmm_fp8_pallas, interpret=True))
 
 
 def _index_maps(col_blocks: int):

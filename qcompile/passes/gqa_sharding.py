@@ -24,6 +24,8 @@ KV pages along kv_heads, the GDN recurrent state along its value heads, the conv
 layer's fused [q | k | v] projection, its conv weight and conv state are regrouped (weight preparation, ir/abi.py
 `grouped_order`: groups × [q_j | k_j | v_j]) so that each device's contiguous block holds its own heads' q, k and v;
 the graph records the cache's regrouping (meta `channel_groups`) and the checker compares the conv state through it.
+An FP8 weight is laid out as its dequantized value (regrouped, split); ir/fp8_layout.py applies both to the FP8 values
+and the block scales, so each device holds its own rows in FP8.
 Ops whose attributes name global sizes along a split dim have a local form inside the shard_map (a reshape's target
 shape, gated_delta_net's groups; registry LOCAL_FORMS). Everything else is replicated.
 
@@ -58,6 +60,7 @@ from qcompile.ir.ops.expert_parallel import (MoeCombineReturned, MoeDispatchLoca
                                              MoeSend)
 from qcompile.ir.ops.gdn import CausalConv1d
 from qcompile.ir.ops.moe import GroupedMatmul, GroupedMatmulSwiglu, MoeCombine, MoeDispatch
+from qcompile.ir.ops.quant import Dequantize
 from qcompile.ir.types import Sharding, TensorType, np_dtype
 from qcompile.passes.base import Pass, PassContext, PassResult
 from qcompile.passes.rewrite import copy_node, eliminate_dead_nodes, regroup_rows
@@ -272,6 +275,12 @@ def tp_weight_dim(name: str) -> int | None:
     return next((dim for suffix, dim in TP_WEIGHTS.items() if name.endswith(suffix)), None)
 
 
+def _quantized_tp_dim(graph: Graph, node) -> int | None:
+    """The dim tensor parallelism splits of the FP8 weight a dequantize node reads (None: not a TP_WEIGHTS one)."""
+    values = graph.node(node.operands[0].node).op
+    return tp_weight_dim(values.name) if isinstance(values, Param) else None
+
+
 def _users(graph: Graph) -> dict[Value, list]:
     users: dict[Value, list] = {}
     for node in graph.nodes():
@@ -303,9 +312,6 @@ def tp_problem(graph: Graph, facts: ModelFacts, mesh, tp: int) -> str:
         if heads and heads % tp:
             extra = " (replicating KV heads across a tensor-parallel group is not laid out)" if "KV" in what else ""
             return f"{heads} {what} do not split {tp} ways{extra}"
-    if any(n.op.op_name == "dequantize" for n in graph.nodes()):
-        return ("the graph keeps FP8 weights (a tensor-parallel layout of FP8 values and their block scales is not "
-                "implemented; compile with --fp8 dequantize for one)")
     fused = sorted({n.op.op_name for n in graph.nodes() if n.op.op_name in ("gated_delta_net", "linear_swiglu")})
     if fused:
         return f"the graph has {', '.join(fused)} already (gqa-sharding must run before the fusion passes)"
@@ -423,7 +429,7 @@ def _lay_out(graph: Graph, mesh) -> tuple[Graph, int]:
             new = builder.param(op.name, op.type.with_sharding(Sharding((EXPERTS,) + (None,) * (op.type.rank - 1))))
         elif node.id in prep_nodes:  # weight preparation: its type rule carries the experts split through
             new = builder.add(op, *operands)
-        elif isinstance(op, Param) and tensor and tp_weight_dim(op.name) is not None:
+        elif isinstance(op, Param) and tensor and tp_weight_dim(op.name) is not None and op.type.dtype != "f8e4m3":
             dims = [None] * op.type.rank
             dims[tp_weight_dim(op.name)] = TENSOR
             if node.results[0] in grouped_params:  # whole, then regrouped by weight preparation, then split
@@ -432,6 +438,15 @@ def _lay_out(graph: Graph, mesh) -> tuple[Graph, int]:
                 builder.annotate(new, Sharding(tuple(dims)))
             else:
                 new = builder.param(op.name, op.type.with_sharding(Sharding(tuple(dims))))
+        elif isinstance(op, Dequantize) and tensor and _quantized_tp_dim(graph, node) is not None:
+            # an FP8 weight: laid out dequantized (regrouped, split); ir/fp8_layout.py applies the regrouping and the
+            # split to its values and block scales, so each device holds its own rows in FP8
+            dims = [None] * len(op.block)
+            dims[_quantized_tp_dim(graph, node)] = TENSOR
+            new = builder.add(op, *operands)
+            if node.results[0] in grouped_params:
+                new = regroup_rows(builder, new, grouped_params[node.results[0]], groups)
+            builder.annotate(new, Sharding(tuple(dims)))
         elif isinstance(op, MoeDispatch) and node.id in combine_of and ranks == 1:  # tensor parallelism alone
             x, ids = operands
             new = _gathered_dispatch(builder, mesh, op, x, ids, mapping[combine_of[node.id].operands[2]],

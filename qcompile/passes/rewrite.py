@@ -19,7 +19,7 @@ import attrs
 
 from qcompile.ir.builder import Builder
 from qcompile.ir.graph import Graph, Node, Value
-from qcompile.ir.ops.core import Concat, Input, Param, Reshape, Slice
+from qcompile.ir.ops.core import Concat, Input, Param, Slice
 from qcompile.passes.base import PassResult
 from qcompile.ir.types import TensorType  # noqa: F401 - in annotations
 
@@ -300,12 +300,11 @@ def regroup_rows(builder: Builder, w: Value, sections, groups: int) -> Value:
     """Weight preparation for tensor parallelism: the rows of w [s0 | s1 | ..., ...] regrouped as groups × [s0_j |
     s1_j | ...] (ir/abi.py `grouped_order`), so that each device's contiguous block of rows holds its own part of
     every section — its heads' q, k and v of a fused projection, its gate and up of a fused SwiGLU weight. Params-only
-    ops: folded into one prepared weight at compile time."""
-    t = builder.type_of(w)
-    rest = tuple(t.shape[1:])
-    parts, start = [], 0
+    ops: folded into one prepared weight at compile time. Written as row slices and one concat (not reshapes), so an
+    FP8 weight's values and block scales are regrouped alike (ir/fp8_layout.py) and the prepared weight stays FP8."""
+    pieces, start = [], 0
     for size in sections:
-        part = builder.add(Slice(0, start, start + size), w)
-        parts.append(builder.add(Reshape((groups, size // groups, *rest)), part))
+        pieces.append([(start + j * (size // groups), start + (j + 1) * (size // groups)) for j in range(groups)])
         start += size
-    return builder.add(Reshape((sum(sections), *rest)), builder.add(Concat(1), *parts))
+    return builder.add(Concat(0), *(builder.add(Slice(0, lo, hi), w) for j in range(groups) for lo, hi in
+                                    (section[j] for section in pieces)))

@@ -16,7 +16,8 @@ from qcompile.ir.cost import Cost, cost, nbytes
 from qcompile.ir.registry import expect, lowering, op, type_rule
 from qcompile.kernels.grouped_matmul import (grouped_matmul_cpu, grouped_matmul_reference, grouped_matmul_swiglu_cpu,
                                              grouped_matmul_swiglu_reference)
-from qcompile.kernels.pallas_gmm import gmm_swiglu_tpu
+from qcompile.kernels.fp8 import QuantizedWeight, materialized
+from qcompile.kernels.pallas_gmm import fp8_tiles_fit, gmm_fp8_tpu, gmm_swiglu_tpu
 from qcompile.ir.types import TensorType, dim_mul
 
 
@@ -100,6 +101,15 @@ def _gmm_cpu(op_, rows, w, group_sizes):
     """Without ragged_dot's E× expansion: qcompile's native kernel for f32 (kernels/native.py), else one matvec per
     routed row at decode sizes or a loop over the row blocks in use (kernels/grouped_matmul.py has the measurements)."""
     return grouped_matmul_cpu(rows, w, group_sizes)
+
+
+@lowering(GroupedMatmul, "tpu", takes_quantized=True)
+def _gmm_tpu(op_, rows, w, group_sizes):
+    """FP8 weights in Qwen's layout (128 × 128 blocks = the kernel's tiles): the Pallas kernel reading FP8 tiles
+    (kernels/pallas_gmm.py); anything else: ragged_dot, native on TPU, on the (dequantized) weight."""
+    if isinstance(w, QuantizedWeight) and fp8_tiles_fit(w.shape, w.block, fused=False):
+        return gmm_fp8_tpu(rows, w, group_sizes)
+    return grouped_matmul_reference(rows, materialized(w), group_sizes)
 
 
 @lowering(GroupedMatmul)

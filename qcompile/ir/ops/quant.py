@@ -75,26 +75,29 @@ def _dequantize_cost(op_, operands, results, step):
 @op("refine_scale")
 @attrs.frozen
 class RefineScale:
-    """refine_scale(scale) -> the same scale in blocks of 1 along `axis` (each entry repeated `block` times, cut to
-    `size`): what lets a layout op cut a quantized weight inside a block (ir/fp8_layout.py)."""
+    """refine_scale(scale) -> the same scale in blocks of `to` (a divisor of `block`) along `axis` (each entry
+    repeated block/to times, cut to ceil(size/to)): what lets a layout op cut a quantized weight inside a block
+    (ir/fp8_layout.py)."""
 
     axis: int
     block: int
     size: int
+    to: int = 1
 
 
 @type_rule(RefineScale)
 def _refine_scale_type(op_, scale):
     expect(scale.shape[op_.axis] == math.ceil(op_.size / op_.block),
            f"refine_scale: {scale} does not hold {op_.size} entries in blocks of {op_.block} along axis {op_.axis}")
+    expect(op_.to >= 1 and op_.block % op_.to == 0, f"refine_scale: blocks of {op_.to} do not divide {op_.block}")
     shape = list(scale.shape)
-    shape[op_.axis] = op_.size
+    shape[op_.axis] = math.ceil(op_.size / op_.to)
     keep = scale.sharding is not None and scale.sharding.dims[op_.axis] is None  # the experts split carries through
     return TensorType(scale.dtype, tuple(shape), sharding=scale.sharding if keep else None)
 
 
 @lowering(RefineScale)
 def _refine_scale(op_, scale):
-    block = tuple(op_.block if i == op_.axis else 1 for i in range(scale.ndim))
-    shape = tuple(op_.size if i == op_.axis else d for i, d in enumerate(scale.shape))
+    block = tuple(op_.block // op_.to if i == op_.axis else 1 for i in range(scale.ndim))
+    shape = tuple(math.ceil(op_.size / op_.to) if i == op_.axis else d for i, d in enumerate(scale.shape))
     return expand_scale(scale, block, shape)
