@@ -758,9 +758,12 @@ def check_cmd(source, prompts_path, reference, passes_spec, max_new_tokens, min_
 @click.option("--mesh", "mesh_spec", metavar="SPEC",
               help="Arrange the devices as this mesh (default: chips x devices per chip, e.g. 4x2 for TPU7x); "
                    "tensor parallelism runs over its innermost axes.")
+@click.option("--no-lower", is_flag=True,
+              help="Skip exporting the planned decode step for the target's platform (jax.export from abstract "
+                   "shapes: its Mosaic kernels and collectives; ~25 s for the 397B model).")
 @click.option("--json", "json_path", type=click.Path(path_type=Path), metavar="FILE", help="Write the plan as JSON.")
 def plan_cmd(source, target, chips, concurrency, input_len, output_len, passes_spec, no_ablate, mesh_spec,
-             json_path):
+             no_lower, json_path):
     """Plan a deployment from the config alone: per device, weights by kind, KV pages and GDN state slots at each
     concurrency, activation peak, whether it fits and how many sequences could; per step, collective bytes; predicted
     tok/s per chip for prefill-heavy and decode-heavy work at the target's published ceilings — for `none`, --passes
@@ -781,7 +784,7 @@ def plan_cmd(source, target, chips, concurrency, input_len, output_len, passes_s
         raise UsageError(f"{source}: no such file or directory")
     run_plan(PlanOptions(source=source, target=target, chips=chips, concurrency=levels, input_len=input_len,
                          output_len=output_len, passes=passes_spec, ablate=not no_ablate, json=json_path,
-                         mesh=mesh_spec),
+                         mesh=mesh_spec, lower=not no_lower),
              emit=click.echo)
 
 

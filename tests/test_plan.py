@@ -20,6 +20,7 @@ GIB = 2**30
 
 
 def _plan(source, **kwargs) -> dict:
+    kwargs.setdefault("lower", False)  # the export of the planned step: its own test below
     return run_plan(PlanOptions(source=Path(source), **kwargs), emit=lambda text: None, progress=lambda text: None)
 
 
@@ -179,9 +180,11 @@ def test_build_specs_and_bad_input(tmp_path, capsys):
             main(["plan", str(source)])
         assert done.value.code == 2 and message in capsys.readouterr().err
     with pytest.raises(SystemExit) as done:
-        main(["plan", str(config), "--no-ablate", "--concurrency", "8", "--input-len", "100", "--output-len", "20"])
+        main(["plan", str(config), "--no-ablate", "--no-lower", "--concurrency", "8", "--input-len", "100",
+              "--output-len", "20"])
     out = capsys.readouterr().out
     assert done.value.code == 0 and "| all | custom | 8 | dp4xtp2+ep |" in out and "planned in" in out
+    assert "lowered for" not in out
 
 
 def test_a_cpu_plan_uses_xla_memory_analysis_where_this_host_can_compile(tmp_path):
@@ -196,3 +199,24 @@ def test_a_cpu_plan_uses_xla_memory_analysis_where_this_host_can_compile(tmp_pat
     assert build["memory_per_device"]["activation_peak"] >= xla["temp_bytes"]
     tpu = _plan(path, concurrency=(4,), ablate=False, input_len=16, output_len=8)
     assert _build(tpu, "all", "custom", 4)["xla_decode_memory"] is None
+
+
+def test_the_planned_step_is_lowered_for_the_target(tmp_path):
+    """The planned decode step exported for the target's platform from abstract shapes on its mesh (jax.export; no
+    compiler for TPU here): for tpu7x every MoE layer's grouped matmul, the GDN layer and the attention layer are
+    Mosaic kernels (2 + 1 + 1 on the two-layer checkpoint), and the program's collectives are the graph's, kind by
+    kind (what the cost model charged); h200 lowers for cuda without Mosaic kernels; --no-lower skips it."""
+    path = write_small(tmp_path / "ckpt")
+    said: list[str] = []
+    lowered = run_plan(PlanOptions(source=path, concurrency=(4,), ablate=False, input_len=16, output_len=8),
+                       emit=said.append, progress=lambda text: None)["lowered"]
+    line = next(text for text in said if text.startswith("lowered for tpu"))
+    assert "4 Mosaic kernels" in line and "(the graph's)" in line, line
+    assert lowered["platform"] == "tpu" and lowered["passes"] == "all" and lowered["tokens"] == 4, lowered
+    assert lowered["mosaic_kernels"] == 4
+    assert lowered["collectives"] == lowered["graph_collectives"] == {"all-gather": 4, "all-reduce": 6,
+                                                                      "reduce-scatter": 2}
+    gpu = _plan(path, target="h200", concurrency=(4,), ablate=False, input_len=16, output_len=8, lower=True)
+    assert gpu["lowered"]["platform"] == "cuda" and gpu["lowered"]["mosaic_kernels"] == 0
+    assert gpu["lowered"]["collectives"] == gpu["lowered"]["graph_collectives"]
+    assert "lowered" not in _plan(path, concurrency=(4,), ablate=False, input_len=16, output_len=8)

@@ -191,7 +191,7 @@ def _export(out: Path, graph: Graph, *, cache, target, platform, show) -> tuple[
     caches = cache_specs(graph_cache_types(graph), sizes)
     rules = TARGET_RULES[target]
     ranks = data_parallel_ranks(graph)
-    jitted = {flag: jax.jit(step_function(graph, rules, flag), **_mesh_shardings(graph, flag))
+    jitted = {flag: jax.jit(step_function(graph, rules, flag), **mesh_shardings(graph, flag))
               for flag in (True, False)}
     # qcompile's own CPU custom calls (kernels/native.py) are not on jax.export's list of stable targets; the
     # manifest names them, and loading the artifact builds and registers them before anything is deserialized.
@@ -209,7 +209,7 @@ def _export(out: Path, graph: Graph, *, cache, target, platform, show) -> tuple[
     return buckets, natives, time.perf_counter() - started
 
 
-def _mesh_shardings(graph: Graph, with_logits: bool) -> dict:
+def mesh_shardings(graph: Graph, with_logits: bool) -> dict:
     """in_shardings / out_shardings of a laid-out graph's step (each input, weight, cache and output with its
     NamedSharding on the graph's mesh), so the exported module carries them; none for a single-device graph."""
     if not is_sharded(graph):

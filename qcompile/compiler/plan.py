@@ -37,6 +37,7 @@ from pathlib import Path
 import attrs
 
 from qcompile.compiler.hlo import SENT_PER_RESULT_BYTE
+from qcompile.compiler.lowered import lowered_step
 from qcompile.errors import UsageError
 from qcompile.frontend.checkpoint import Checkpoint, canonical_fp8, canonical_params, resolve_paths
 from qcompile.frontend.config import parse_config
@@ -74,6 +75,7 @@ class PlanOptions:
     ablate: bool = True
     json: Path | None = None
     mesh: str | None = None  # another arrangement of the same devices (e.g. 4x2 for 8 H200s: TP over pairs)
+    lower: bool = True  # export the planned decode step for the target's platform (compiler/lowered.py)
 
 
 @attrs.frozen
@@ -347,8 +349,9 @@ def xla_memory(folded: Graph, sizes: dict[str, int], tokens: int, lowering: str)
 
 
 def evaluate(graph: Graph, tgt: Target, concurrency: int, input_len: int, output_len: int,
-             with_xla: bool = True) -> dict:
-    """One laid-out build at one concurrency and workload: memory per device, capacity, step times, throughput."""
+             with_xla: bool = True, lower: bool = False) -> dict:
+    """One laid-out build at one concurrency and workload: memory per device, capacity, step times, throughput;
+    with `lower`, its decode step exported for the target's platform (compiler/lowered.py)."""
     folded = fold_weight_preparation(graph)
     ranks, devices = _ranks(folded), _devices(folded)
     seqs = -(-concurrency // ranks)
@@ -401,6 +404,7 @@ def evaluate(graph: Graph, tgt: Target, concurrency: int, input_len: int, output
                          "flops": prefill_cost.flops, "collective_bytes": prefill_sent},
         "total_tok_s_per_chip": per_chip * (input_len + output_len), "output_tok_s_per_chip": per_chip * output_len,
         "xla_decode_memory": xla,
+        **({"lowered": lowered_step(folded, decode_sizes, tgt.lowering)} if lower else {}),
     }
 
 
@@ -436,6 +440,8 @@ def run_plan(opts: PlanOptions, emit=print, progress=None) -> dict:
             raise UsageError(f"--mesh {opts.mesh} has {mesh.size} devices; {tgt.chips} chips of {tgt.name} are "
                              f"{tgt.devices}")
         tgt = attrs.evolve(tgt, mesh_spec=opts.mesh)
+    if opts.lower:
+        _ask_for_devices(tgt.devices)
     graph, raw, where = abstract_graph(opts.source)
     built = time.perf_counter() - started
     graph.meta["mesh"] = parse_mesh_spec(tgt.mesh_spec)
@@ -457,12 +463,18 @@ def run_plan(opts: PlanOptions, emit=print, progress=None) -> dict:
                                   options=(("concurrency", concurrency), ("max_context", input_len + output_len)))
                 laid_out, passes = run_structurally(graph, spec, ctx)
                 # XLA's memory analysis (a compile) for the planned build only, not for every ablation
-                result = evaluate(laid_out, tgt, concurrency, input_len, output_len,
-                                  with_xla=spec == opts.passes.strip())
+                planned = spec == opts.passes.strip()
+                lower = planned and opts.lower and "lowered" not in report  # once: the first planned build
+                result = evaluate(laid_out, tgt, concurrency, input_len, output_len, with_xla=planned, lower=lower)
+                if lower:
+                    report["lowered"] = {"passes": spec, "concurrency": concurrency, "workload": workload,
+                                         **result.pop("lowered")}
                 report["builds"].append({"passes": spec, "workload": workload, "pass_report": passes, **result})
     report["seconds"] = {"build_graph": built, "total": time.perf_counter() - started}
     emit(table(report))
     emit(details(report, opts.passes.strip()))
+    if "lowered" in report:
+        emit(lowered_line(report["lowered"]))
     emit(f"planned in {report['seconds']['total']:.1f}s; these are predictions at the target's ceilings (a roofline "
          "of qcompile's cost rules), not measurements")
     if opts.json is not None:
@@ -471,6 +483,29 @@ def run_plan(opts: PlanOptions, emit=print, progress=None) -> dict:
         except OSError as err:
             raise UsageError(f"--json {opts.json}: cannot write it ({err.strerror or err})") from None
     return report
+
+
+def _ask_for_devices(count: int) -> None:
+    """Give JAX `count` host devices for the lowering on the target's mesh, when it has not started yet (else the
+    lowering says it lacks them)."""
+    import jax
+
+    try:
+        jax.config.update("jax_num_cpu_devices", max(count, jax.config.jax_num_cpu_devices or 1))
+    except RuntimeError:
+        pass
+
+
+def lowered_line(lowered: dict) -> str:
+    head = (f"lowered for {lowered['platform']} ({lowered['passes']}, decode step at concurrency "
+            f"{lowered['concurrency']}; jax.export from abstract shapes)")
+    if "skipped" in lowered or "error" in lowered:
+        return f"{head}: not lowered — {lowered.get('skipped') or lowered['error']}"
+    found = ", ".join(f"{k} {v}" for k, v in lowered["collectives"].items()) or "none"
+    same = "the graph's" if lowered["collectives"] == lowered["graph_collectives"] else \
+        f"the graph has {lowered['graph_collectives']}"
+    return (f"{head}: {lowered['mosaic_kernels']} Mosaic kernels; collectives {found} ({same}); "
+            f"{lowered['module_bytes'] / 2**20:.1f} MiB of StableHLO in {lowered['seconds']:.1f}s")
 
 
 def _plain(value):
