@@ -50,6 +50,15 @@ def module_summary(text: str) -> dict:
             "module_bytes": len(text)}
 
 
+def abstract_arguments(folded: Graph, sizes: dict[str, int]) -> tuple[dict, dict, dict]:
+    """(params, caches, batch) of a folded step graph as ShapeDtypeStructs at `sizes` (T tokens, R rows, B, M, P, S)."""
+    import jax
+
+    params = {name: jax.ShapeDtypeStruct(t.bind(sizes), np_dtype(t.dtype)) for name, t in param_types(folded).items()}
+    caches = cache_specs(graph_cache_types(folded), sizes)
+    return params, caches, batch_specs(sizes["T"], sizes["R"], sizes, data_parallel_ranks(folded))
+
+
 def lowered_step(folded: Graph, sizes: dict[str, int], lowering: str) -> dict:
     """The decode step (T = R = sizes["T"]) of a folded graph exported for `lowering`'s platform: {platform, tokens,
     seconds, mosaic_kernels, collectives, graph_collectives, module_bytes}; {platform, skipped} when this process
@@ -66,9 +75,7 @@ def lowered_step(folded: Graph, sizes: dict[str, int], lowering: str) -> dict:
         return {"platform": platform, "skipped": f"the mesh needs {needed} devices; JAX started with {available} "
                                                  "in this process (qcompile plan asks for them in a fresh process)"}
     tokens = sizes["T"]
-    params = {name: jax.ShapeDtypeStruct(t.bind(sizes), np_dtype(t.dtype)) for name, t in param_types(folded).items()}
-    caches = cache_specs(graph_cache_types(folded), sizes)
-    batch = batch_specs(tokens, sizes["R"], sizes, data_parallel_ranks(folded))
+    params, caches, batch = abstract_arguments(folded, sizes)
     step = jax.jit(step_function(folded, lowering, with_logits=False), **mesh_shardings(folded, False))
     allow = [jax.export.DisabledSafetyCheck.custom_call(name) for name in native.KERNELS]
     started = time.perf_counter()

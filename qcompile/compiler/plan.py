@@ -330,16 +330,12 @@ def xla_memory(folded: Graph, sizes: dict[str, int], tokens: int, lowering: str)
     cpu plan of one device; None otherwise (another platform's compiler, or a mesh whose devices are not here)."""
     import jax
 
-    from qcompile.ir.abi import batch_specs, cache_specs
+    from qcompile.compiler.lowered import abstract_arguments
     from qcompile.ir.lowering import is_sharded, step_function
 
     if lowering != "cpu" or is_sharded(folded) or jax.default_backend() != "cpu":
         return None
-    bound = {**sizes, "T": tokens, "R": tokens}
-    params = {n.op.name: jax.ShapeDtypeStruct(n.op.type.bind(bound), np_dtype(n.op.type.dtype))
-              for n in folded.find(Param)}
-    caches = cache_specs(graph_cache_types(folded), bound)
-    batch = batch_specs(tokens, tokens, bound)
+    params, caches, batch = abstract_arguments(folded, {**sizes, "T": tokens, "R": tokens})
     compiled = jax.jit(step_function(folded, lowering, with_logits=False)).lower(params, caches, batch).compile()
     analysis = compiled.memory_analysis()
     if analysis is None:
