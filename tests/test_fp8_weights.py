@@ -377,3 +377,36 @@ def test_bench_refuses_to_compare_transformers_on_an_fp8_checkpoint(fp8_tiny, ca
         main(["bench", str(fp8_tiny), "--concurrency", "1", "--compare", "transformers"])
     err = capsys.readouterr().err
     assert done.value.code == 2 and "cannot run this FP8 checkpoint" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_the_pallas_linear_reads_fp8_tiles(dtype):
+    """The tpu rules of linear, linear_swiglu and linear_f32 (f32 partial sums) on an FP8 [N, K] weight in Qwen's
+    layout run linear_fp8_pallas (interpreted here): equal to the reference on the dequantized weight, rows with
+    leading dims and a row count that is no tile multiple; the tpu export holds a Mosaic call on FP8 operands;
+    another layout is XLA's dot."""
+    import jax
+    import jax.numpy as jnp
+    from jax import export
+    from test_target_rules import quantized
+
+    from qcompile.ir.ops.core import Linear, LinearF32, LinearSwiglu
+    from qcompile.ir.registry import lowering_rule
+    from qcompile.kernels.fp8 import QuantizedWeight, dequantize
+
+    jdtype = jnp.float32 if dtype == "f32" else jnp.bfloat16
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.standard_normal((3, 5, 256)), jdtype)
+    tolerance = 1e-6 if dtype == "f32" else 1e-2
+    for op in (Linear(), LinearSwiglu(), LinearF32()):
+        for block in ((128, 128), (64, 128)):
+            values, scale = quantized(rng.standard_normal((384, 256)), block)
+            weight = dequantize(jnp.asarray(values), jnp.asarray(scale), block, jdtype)
+            want = np.asarray(lowering_rule(type(op), "reference")(op, x, weight), np.float64)
+            rule = jax.jit(lambda x, v, s: lowering_rule(type(op), "tpu")(op, x, QuantizedWeight(v, s, block, jdtype)))
+            got = np.asarray(rule(x, values, scale), np.float64)
+            assert got.shape == want.shape and np.isfinite(got).all()
+            assert rule(x, values, scale).dtype == (jnp.float32 if isinstance(op, LinearF32) else jdtype)
+            np.testing.assert_allclose(got, want, rtol=0, atol=tolerance * np.abs(want).max())
+            text = export.export(rule, platforms=["tpu"])(x, values, scale).mlir_module()
+            assert ("tpu_custom_call" in text) == (block == (128, 128)) and "f8E4M3FN" in text

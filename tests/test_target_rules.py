@@ -13,7 +13,7 @@ import pytest
 
 import qcompile.ir.importer  # noqa: F401  (registers the op catalogue)
 from qcompile.ir.ops.attention import PagedAttention
-from qcompile.ir.ops.core import Greedy, Linear, LinearSwiglu
+from qcompile.ir.ops.core import Greedy, Linear, LinearF32, LinearSwiglu
 from qcompile.ir.ops.gdn import CausalConv1d, GatedDeltaNet, GdnRecurrence
 from qcompile.ir.ops.moe import GroupedMatmul, GroupedMatmulSwiglu
 from qcompile.ir.registry import TAKES_QUANTIZED, lowering_rule, target_rules
@@ -129,6 +129,11 @@ def _gmm_swiglu_case(rng, batch, dtype):
     return GroupedMatmulSwiglu(), (rows, w, group_sizes)  # w [E, 32, 24]: [gate | up] of width 12 each
 
 
+def _linear_f32_case(rng, batch, dtype):
+    _, (x, w) = _linear_case(rng, batch, dtype)
+    return LinearF32(), (x, w)  # f32 partial sums (a row-parallel projection under tensor parallelism)
+
+
 def _linear_swiglu_case(rng, batch, dtype):
     _, (x, w) = _linear_case(rng, batch, dtype)
     return LinearSwiglu(), (x, w)  # w [40, 48]: [gate ; up] of 20 rows each
@@ -163,7 +168,7 @@ def quantized(w, block):
 
 
 CASES = {"paged_attention": _attention_case, "dequantize": _dequantize_case, "causal_conv1d": _conv_case, "gdn_recurrence": _gdn_case,
-         "linear": _linear_case, "grouped_matmul": _gmm_case, "greedy": _greedy_case,
+         "linear": _linear_case, "linear_f32": _linear_f32_case, "grouped_matmul": _gmm_case, "greedy": _greedy_case,
          "grouped_matmul_swiglu": _gmm_swiglu_case, "linear_swiglu": _linear_swiglu_case,
          "gated_delta_net": _gdn_fused_case}
 
@@ -221,6 +226,7 @@ def test_target_rule_matches_reference(rule, batch, dtype):
 FP8_BLOCKS = {"grouped_matmul": [(1, 128, 128), (1, 16, 5), (1, 32, 1), (8, 32, 24)],
               "grouped_matmul_swiglu": [(1, 128, 128), (1, 16, 5), (1, 32, 1), (8, 32, 24)],
               "linear": [(128, 128), (16, 20), (1, 48), (40, 48)],
+              "linear_f32": [(128, 128), (16, 20), (1, 48), (40, 48)],
               "linear_swiglu": [(128, 128), (16, 20), (1, 48), (40, 48)]}
 
 

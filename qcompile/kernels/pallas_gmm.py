@@ -128,7 +128,7 @@ def _kernel(tile_ref, group_ref, first_ref, valid_ref, start_ref, end_ref, x_ref
                     epilogue=lambda gate, up: jax.nn.silu(gate.astype(dtype)) * up.astype(dtype))
 
 
-class _DequantizedTile:
+class DequantizedTile:
     """An FP8 weight tile ref as the kernels read it (ref[...]): times its block scale, rounded to the rows' dtype."""
 
     def __init__(self, ref, scale, dtype):
@@ -143,7 +143,7 @@ def _kernel_fp8(tile_ref, group_ref, first_ref, valid_ref, start_ref, end_ref, x
     """_kernel on FP8 weight tiles: each tile times its block scale (SMEM), rounded to the rows' dtype, then the dot."""
     j, kk = pl.program_id(0), pl.program_id(2)
     _kernel(tile_ref, group_ref, first_ref, valid_ref, start_ref, end_ref, x_ref,
-            _DequantizedTile(wg_ref, sg_ref[kk, j], dtype), _DequantizedTile(wu_ref, su_ref[kk, j + col_blocks], dtype),
+            DequantizedTile(wg_ref, sg_ref[kk, j], dtype), DequantizedTile(wu_ref, su_ref[kk, j + col_blocks], dtype),
             out_ref, acc_gate, acc_up, tm=tm, dtype=dtype)
 
 
@@ -153,7 +153,7 @@ def _kernel_gmm_fp8(tile_ref, group_ref, first_ref, valid_ref, start_ref, end_re
     dtype."""
     j, kk = pl.program_id(0), pl.program_id(2)
     _grouped_kernel(tile_ref, group_ref, first_ref, valid_ref, start_ref, end_ref, x_ref,
-                    (_DequantizedTile(w_ref, s_ref[kk, j], dtype),), out_ref, (acc,), tm=tm,
+                    (DequantizedTile(w_ref, s_ref[kk, j], dtype),), out_ref, (acc,), tm=tm,
                     epilogue=lambda y: y.astype(dtype))
 
 
@@ -173,7 +173,7 @@ def gmm_swiglu_fp8_pallas(rows, values, scale, group_sizes, *, interpret=False, 
     if n == 0 or half == 0:
         return jnp.zeros((n, half), rows.dtype)
     tm = min(tm, -(-n // 8) * 8)
-    x = _pad_to(rows, 0, tm)
+    x = pad_to(rows, 0, tm)
     col_blocks = half // tn
     (tile, group, first, valid), (starts, ends) = group_visits(group_sizes, n, tm)
     grid = (col_blocks, tile.shape[0], k // tk)
@@ -214,7 +214,7 @@ def gmm_fp8_pallas(rows, values, scale, group_sizes, *, interpret=False, tm: int
     if n == 0 or out_cols == 0:
         return jnp.zeros((n, out_cols), rows.dtype)
     tm = min(tm, -(-n // 8) * 8)
-    x = _pad_to(rows, 0, tm)
+    x = pad_to(rows, 0, tm)
     (tile, group, first, valid), (starts, ends) = group_visits(group_sizes, n, tm)
     x_map, w_map, _, out_map = _index_maps(out_cols // tn)
     kb, nb = scale.shape[1:]
@@ -268,7 +268,7 @@ def _index_maps(col_blocks: int):
     return x_map, gate_map, up_map, out_map
 
 
-def _pad_to(x, axis: int, multiple: int):
+def pad_to(x, axis: int, multiple: int):
     size = x.shape[axis]
     pad = -size % multiple
     if not pad:
@@ -288,11 +288,11 @@ def gmm_swiglu_pallas(rows, w, group_sizes, *, interpret=False, tm: int = BLOCK,
         return jnp.zeros((n, half), rows.dtype)
     tm = min(tm, -(-n // 8) * 8)  # few rows (decode): one tile of a multiple of 8 rows, not 128
     tk = min(tk, max(k, 1))  # a block's last dim: a multiple of 128, or the whole dim (Mosaic's tiling rule)
-    x = _pad_to(_pad_to(rows, 0, tm), 1, tk)
+    x = pad_to(pad_to(rows, 0, tm), 1, tk)
     fused = w
     if k % tk or half % tn:
-        fused = jnp.concatenate([_pad_to(_pad_to(w[:, :, :half], 1, tk), 2, tn),
-                                 _pad_to(_pad_to(w[:, :, half:], 1, tk), 2, tn)], axis=2)
+        fused = jnp.concatenate([pad_to(pad_to(w[:, :, :half], 1, tk), 2, tn),
+                                 pad_to(pad_to(w[:, :, half:], 1, tk), 2, tn)], axis=2)
     rows_p, k_p = x.shape
     half_p = fused.shape[2] // 2
     col_blocks = half_p // tn

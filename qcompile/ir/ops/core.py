@@ -16,7 +16,9 @@ from qcompile.ir.cost import Cost, cost, nbytes
 from qcompile.ir.registry import expect, local_form, lowering, op, type_rule
 from qcompile.ir.types import Sharding, TensorType, num_elements_key, np_dtype
 from qcompile.kernels.grouped_matmul import swiglu_halves
+from qcompile.kernels.fp8 import QuantizedWeight, materialized
 from qcompile.kernels.linear import greedy_cpu, linear_cpu
+from qcompile.kernels.pallas_linear import fits as linear_fits, linear_fp8_tpu
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -123,10 +125,28 @@ def _linear_f32(op_, x, w):
     return jnp.einsum("...k,nk->...n", x, w, precision=HIGHEST, preferred_element_type=jnp.float32)
 
 
+@lowering(LinearF32, "tpu", takes_quantized=True)
+def _linear_f32_tpu(op_, x, w):
+    """A row-parallel projection's f32 partial sums: the FP8 linear kernel writing f32 (kernels/pallas_linear.py) on
+    Qwen's layout, else the reference on the (dequantized) weight."""
+    if isinstance(w, QuantizedWeight) and linear_fits(w):
+        return linear_fp8_tpu(x, w, out_dtype=jnp.float32)
+    return _linear_f32(op_, x, materialized(w))
+
+
 @lowering(Linear, "cpu", takes_quantized=True)
 def _linear_cpu(op_, x, w):
     """The native few-row kernel at decode, XLA's dot otherwise (kernels/linear.py)."""
     return linear_cpu(x, w)
+
+
+@lowering(Linear, "tpu", takes_quantized=True)
+def _linear_tpu(op_, x, w):
+    """FP8 weights in Qwen's layout (128 × 128 blocks = the kernel's tiles): the Pallas kernel reading FP8 tiles
+    (kernels/pallas_linear.py); anything else: XLA's dot on the (dequantized) weight, as the reference."""
+    if isinstance(w, QuantizedWeight) and linear_fits(w):
+        return linear_fp8_tpu(x, w)
+    return _linear(op_, x, materialized(w))
 
 
 @op("linear_swiglu")
@@ -146,6 +166,12 @@ def _linear_swiglu_type(op_, x, w):
 @lowering(LinearSwiglu)
 def _linear_swiglu(op_, x, w):
     return swiglu_halves(_linear(op_, x, w))
+
+
+@lowering(LinearSwiglu, "tpu", takes_quantized=True)
+def _linear_swiglu_tpu(op_, x, w):
+    """The FP8 linear kernel over [gate ; up] (one sweep of the FP8 weight), then the halves."""
+    return swiglu_halves(_linear_tpu(op_, x, w))
 
 
 @lowering(LinearSwiglu, "cpu", takes_quantized=True)
