@@ -256,13 +256,9 @@ def _cluster(coordinator, num_processes, process_id, join_timeout):
 
 def use_host_devices(count: int) -> None:
     """Give JAX `count` host (CPU) devices, or exit 2 when it already started with fewer."""
-    import jax
+    from qcompile.ir.mesh import request_host_devices
 
-    try:
-        jax.config.update("jax_num_cpu_devices", max(count, jax.config.jax_num_cpu_devices or 1))
-    except RuntimeError:
-        pass  # JAX already started (a second command in one process): its devices must do
-    available = len(jax.devices("cpu"))
+    available = request_host_devices(count)
     if available < count:
         raise UsageError(f"--mesh needs {count} devices, but JAX started with {available} in this process; run "
                          "qcompile in a fresh process")
@@ -760,7 +756,7 @@ def check_cmd(source, prompts_path, reference, passes_spec, max_new_tokens, min_
                    "tensor parallelism runs over its innermost axes.")
 @click.option("--no-lower", is_flag=True,
               help="Skip exporting the planned decode step for the target's platform (jax.export from abstract "
-                   "shapes: its Mosaic kernels and collectives; ~25 s for the 397B model).")
+                   "shapes: its Mosaic kernels and collectives; ~20 s for the 397B model).")
 @click.option("--json", "json_path", type=click.Path(path_type=Path), metavar="FILE", help="Write the plan as JSON.")
 def plan_cmd(source, target, chips, concurrency, input_len, output_len, passes_spec, no_ablate, mesh_spec,
              no_lower, json_path):

@@ -47,7 +47,7 @@ from qcompile.ir.cost import COSTS, Cost, StepShape, dequantized_reads
 from qcompile.ir.graph import Graph
 from qcompile.ir.hardware import HARDWARE, hardware
 from qcompile.ir.importer import DEFAULT_PAGE_SIZE, ImportOptions, import_graph
-from qcompile.ir.mesh import parse_mesh_spec
+from qcompile.ir.mesh import parse_mesh_spec, request_host_devices
 from qcompile.ir.ops.collective import AllGather, AllReduce, AllToAll, ReduceScatter
 from qcompile.ir.ops.core import Input, Param
 from qcompile.ir.ops.moe import GroupedMatmul, GroupedMatmulSwiglu
@@ -436,8 +436,8 @@ def run_plan(opts: PlanOptions, emit=print, progress=None) -> dict:
             raise UsageError(f"--mesh {opts.mesh} has {mesh.size} devices; {tgt.chips} chips of {tgt.name} are "
                              f"{tgt.devices}")
         tgt = attrs.evolve(tgt, mesh_spec=opts.mesh)
-    if opts.lower:
-        _ask_for_devices(tgt.devices)
+    if opts.lower:  # the lowering lays the step out on the target's mesh of host devices (it says when short)
+        request_host_devices(tgt.devices)
     graph, raw, where = abstract_graph(opts.source)
     built = time.perf_counter() - started
     graph.meta["mesh"] = parse_mesh_spec(tgt.mesh_spec)
@@ -479,17 +479,6 @@ def run_plan(opts: PlanOptions, emit=print, progress=None) -> dict:
         except OSError as err:
             raise UsageError(f"--json {opts.json}: cannot write it ({err.strerror or err})") from None
     return report
-
-
-def _ask_for_devices(count: int) -> None:
-    """Give JAX `count` host devices for the lowering on the target's mesh, when it has not started yet (else the
-    lowering says it lacks them)."""
-    import jax
-
-    try:
-        jax.config.update("jax_num_cpu_devices", max(count, jax.config.jax_num_cpu_devices or 1))
-    except RuntimeError:
-        pass
 
 
 def lowered_line(lowered: dict) -> str:

@@ -116,7 +116,7 @@ def sink_dequantize(graph: Graph) -> Graph:
     pending: dict[Value, tuple] = {}  # a dequantized value not emitted yet -> (values, scale, op, sharding)
     changed = False
     mesh = graph.meta.get("mesh")
-    refined: dict = {}  # (scale, axis) -> the scale in blocks of 1 along the axis
+    refined: dict = {}  # (scale, axis, to) -> the scale in blocks of `to` along the axis (_refined)
 
     def value(v: Value) -> Value:
         nonlocal changed

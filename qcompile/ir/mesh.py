@@ -186,3 +186,14 @@ def sharding_problems(mesh: Mesh | None, type_: TensorType) -> list[str]:
     if repeated:
         problems.append(f"{type_} uses mesh axis {repeated[0]!r} twice")
     return problems
+
+
+def request_host_devices(count: int) -> int:
+    """Ask JAX for `count` host (CPU) devices — effective only before JAX starts — and return how many it has."""
+    import jax
+
+    try:
+        jax.config.update("jax_num_cpu_devices", max(count, jax.config.jax_num_cpu_devices or 1))
+    except RuntimeError:
+        pass  # JAX already started (a second command in one process): its devices must do
+    return len(jax.devices("cpu"))
