@@ -14,7 +14,9 @@
 //   * work items are (expert, chunk of up to kRowChunk rows), run on the caller and XLA's intra-op threads
 //     (parallel_items.h; each item writes only its own rows: results do not depend on the thread split);
 //   * an item walks k in blocks whose [kc, Nout] weight slab stays in L2, column panels of 64 inside it, and row
-//     tiles of up to kMr rows inside that; a tile's kMr x 64 accumulators stay in registers over the k block;
+//     tiles of up to kMr rows inside that; a tile's kMr x 64 accumulators stay in registers over the k block (an item
+//     of few rows, at decode, walks the slab in sub-blocks of kFewRowsSub rows instead, every panel of one before the
+//     next, so memory streams contiguous rows);
 //   * weight rows are prefetched kPrefetchRows ahead (a panel reads 256 bytes per weight row, one row per page at
 //     Nout = 1024, which the hardware prefetchers do not follow across pages).
 // Vectors are GCC vector extensions (16 floats); -march=native maps them to AVX-512, AVX2 or SSE.
@@ -49,6 +51,8 @@ constexpr int64_t kNr = 16 * kNv;       // columns per panel
 constexpr int64_t kPrefetchRows = 16;   // weight rows prefetched ahead within a panel
 constexpr int64_t kSlabFloats = 65536;  // k block: kc = kSlabFloats / Nout (>= 16) weight rows (256 KiB) per slab
 constexpr int64_t kRowChunk = 8 * kMr;  // rows per work item
+constexpr int64_t kFewRows = 2 * kMr;   // items of at most this many rows walk a slab in sub-blocks of
+constexpr int64_t kFewRowsSub = kPrefetchRows;  // this many weight rows
 
 
 // out[m, 0:16*NV] (+)= x[m, 0:k] · w[0:k, 0:16*NV] for m < MR.
@@ -147,12 +151,20 @@ void product(const Job& j, const Item& it, float* out, int64_t ldo) {
     } else {
       wk = j.w + (it.expert * j.k + k0) * j.nout;
     }
-    for (int64_t n0 = 0; n0 < j.nout; n0 += kNr) {
-      const int64_t ncols = std::min(kNr, j.nout - n0);
-      for (int64_t r = 0; r < it.rows; r += kMr) {
-        const int rows = static_cast<int>(std::min<int64_t>(kMr, it.rows - r));
-        const int64_t row = it.row0 + r;
-        panel(j.x + row * j.k + k0, j.k, rows, wk + n0, j.nout, kc, ncols, out + r * ldo + n0, ldo, k0 > 0);
+    // Few rows (decode): the slab in sub-blocks of kFewRowsSub weight rows, every panel of one before the next, so
+    // memory streams each sub-block's contiguous rows once (the panels' prefetches fetch the next sub-block) instead
+    // of reading the slab a 64-column strip at a time; the accumulators go through `out` once per sub-block.
+    const int64_t sub = it.rows <= kFewRows ? kFewRowsSub : kc;
+    for (int64_t ks = 0; ks < kc; ks += sub) {
+      const int64_t kn = std::min(sub, kc - ks);
+      for (int64_t n0 = 0; n0 < j.nout; n0 += kNr) {
+        const int64_t ncols = std::min(kNr, j.nout - n0);
+        for (int64_t r = 0; r < it.rows; r += kMr) {
+          const int rows = static_cast<int>(std::min<int64_t>(kMr, it.rows - r));
+          const int64_t row = it.row0 + r;
+          panel(j.x + row * j.k + k0 + ks, j.k, rows, wk + ks * j.nout + n0, j.nout, kn, ncols, out + r * ldo + n0,
+                ldo, k0 + ks > 0);
+        }
       }
     }
   }

@@ -10,8 +10,9 @@
 // needs no packing:
 //   * a register tile is kMr input rows x kNr weight rows; its kMr*kNr accumulators are 16-lane vectors over k
 //     (kNr + kMr loads feed kMr*kNr multiply-adds per 16 k), reduced to scalars once at the end of k;
-//   * a work item is a block of kNb weight rows (kept in L1/L2 while every row tile of the item's row chunk reads it)
-//     against a chunk of up to kRowChunk input rows, run on the caller and XLA's intra-op threads (parallel_items.h).
+//   * a work item is a block of kNb weight rows against a chunk of up to kRowChunk input rows, run on the caller and
+//     XLA's intra-op threads (parallel_items.h); inside it, groups of kNr weight rows (in L1 while every row tile of
+//     the chunk reads them, so each comes from memory once), whose first row tile prefetches the next group.
 // Vectors are GCC vector extensions (16 floats; GCC >= 12 or clang for __builtin_shufflevector); -march=native maps
 // them to AVX-512, AVX2, SSE or NEON.
 // FP8 weights (QcompileLinearFp8: w is e4m3fn bytes [N, K] with f32 block scales [ceil(N/bn), ceil(K/bk)]): a work
@@ -40,7 +41,6 @@ constexpr int kMr = 6;                 // input rows per register tile
 constexpr int kNr = 4;                 // weight rows per register tile
 constexpr int64_t kNb = 16;            // weight rows per work item
 constexpr int64_t kRowChunk = 8 * kMr; // input rows per work item
-constexpr int64_t kPrefetchFloats = 512; // weight prefetch distance along a row (2 KiB)
 
 inline v16 load(const float* p) { return *reinterpret_cast<const v16u*>(p); }
 
@@ -51,16 +51,19 @@ inline float hsum(v16 v) {
   return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
-// out[m, n] = x[m, 0:k] · w[n, 0:k] for m < MR, n < NR.
+// out[m, n] = x[m, 0:k] · w[n, 0:k] for m < MR, n < NR; with prefetch >= 0, each weight row is also prefetched
+// `prefetch` floats ahead of what it reads.
 template <int MR, int NR>
-void tile(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t k, float* out, int64_t ldo) {
+void tile(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t k, float* out, int64_t ldo,
+          int64_t prefetch) {
   v16 acc[MR][NR];
   for (int m = 0; m < MR; ++m)
     for (int n = 0; n < NR; ++n) acc[m][n] = v16{};
   const int64_t kv = k - k % 16;
   for (int64_t kk = 0; kk < kv; kk += 16) {
     v16 b[NR];
-    for (int n = 0; n < NR; ++n) __builtin_prefetch(w + n * ldw + kk + kPrefetchFloats);
+    if (prefetch >= 0)
+      for (int n = 0; n < NR; ++n) __builtin_prefetch(w + n * ldw + kk + prefetch);
     for (int n = 0; n < NR; ++n) b[n] = load(w + n * ldw + kk);
     for (int m = 0; m < MR; ++m) {
       v16 a = load(x + m * ldx + kk);
@@ -80,24 +83,24 @@ void tile(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t k, f
 
 template <int NR>
 void tile_rows(const float* x, int64_t ldx, int rows, const float* w, int64_t ldw, int64_t k, float* out,
-               int64_t ldo) {
+               int64_t ldo, int64_t prefetch) {
   switch (rows) {
-    case 1: tile<1, NR>(x, ldx, w, ldw, k, out, ldo); break;
-    case 2: tile<2, NR>(x, ldx, w, ldw, k, out, ldo); break;
-    case 3: tile<3, NR>(x, ldx, w, ldw, k, out, ldo); break;
-    case 4: tile<4, NR>(x, ldx, w, ldw, k, out, ldo); break;
-    case 5: tile<5, NR>(x, ldx, w, ldw, k, out, ldo); break;
-    default: tile<kMr, NR>(x, ldx, w, ldw, k, out, ldo); break;
+    case 1: tile<1, NR>(x, ldx, w, ldw, k, out, ldo, prefetch); break;
+    case 2: tile<2, NR>(x, ldx, w, ldw, k, out, ldo, prefetch); break;
+    case 3: tile<3, NR>(x, ldx, w, ldw, k, out, ldo, prefetch); break;
+    case 4: tile<4, NR>(x, ldx, w, ldw, k, out, ldo, prefetch); break;
+    case 5: tile<5, NR>(x, ldx, w, ldw, k, out, ldo, prefetch); break;
+    default: tile<kMr, NR>(x, ldx, w, ldw, k, out, ldo, prefetch); break;
   }
 }
 
 void block(const float* x, int64_t ldx, int rows, const float* w, int64_t ldw, int64_t k, int cols, float* out,
-           int64_t ldo) {
+           int64_t ldo, int64_t prefetch) {
   switch (cols) {
-    case 1: tile_rows<1>(x, ldx, rows, w, ldw, k, out, ldo); break;
-    case 2: tile_rows<2>(x, ldx, rows, w, ldw, k, out, ldo); break;
-    case 3: tile_rows<3>(x, ldx, rows, w, ldw, k, out, ldo); break;
-    default: tile_rows<kNr>(x, ldx, rows, w, ldw, k, out, ldo); break;
+    case 1: tile_rows<1>(x, ldx, rows, w, ldw, k, out, ldo, prefetch); break;
+    case 2: tile_rows<2>(x, ldx, rows, w, ldw, k, out, ldo, prefetch); break;
+    case 3: tile_rows<3>(x, ldx, rows, w, ldw, k, out, ldo, prefetch); break;
+    default: tile_rows<kNr>(x, ldx, rows, w, ldw, k, out, ldo, prefetch); break;
   }
 }
 
@@ -119,7 +122,7 @@ void run_item(const Job& j, int64_t i) {
   const int64_t n0 = nb * kNb, n1 = std::min(j.n, n0 + kNb);
   const int64_t r0 = rc * kRowChunk, r1 = std::min(j.t, r0 + kRowChunk);
   // Row tiles of near-equal size (32 rows: 6,6,5,5,5,5, not 6,6,6,6,6,2): a short tile reads the weights as often as
-  // a full one for fewer multiply-adds. Row tile outer: its kMr input rows stay in L1 across the item's weight rows.
+  // a full one for fewer multiply-adds.
   const float* w = j.w;  // weight row n at w + n * k (FP8: the item's rows, dequantized, at w + (n - n0) * k)
   thread_local std::vector<float> rows;
   int64_t base = 0;
@@ -131,13 +134,17 @@ void run_item(const Job& j, int64_t i) {
     w = rows.data();
     base = n0;
   }
+  // Weight rows outer, row tiles inner: a group of kNr weight rows (kNr x K floats) stays in L1 while every row tile
+  // reads it, so each weight byte comes from memory once; the group's first row tile prefetches the next group's
+  // rows (the next item's first rows after the last group), so memory streams while the other tiles compute.
   const int64_t tiles = (r1 - r0 + kMr - 1) / kMr;
-  for (int64_t i = 0; i < tiles; ++i) {
-    const int64_t r = r0 + (r1 - r0) * i / tiles, r_end = r0 + (r1 - r0) * (i + 1) / tiles;
-    for (int64_t n = n0; n < n1; n += kNr) {
-      const int cols = static_cast<int>(std::min<int64_t>(kNr, n1 - n));
+  const int64_t ahead = j.w8 == nullptr ? kNr * j.k : -1;  // FP8: the dequantized rows are already in cache
+  for (int64_t n = n0; n < n1; n += kNr) {
+    const int cols = static_cast<int>(std::min<int64_t>(kNr, n1 - n));
+    for (int64_t i = 0; i < tiles; ++i) {
+      const int64_t r = r0 + (r1 - r0) * i / tiles, r_end = r0 + (r1 - r0) * (i + 1) / tiles;
       block(j.x + r * j.k, j.k, static_cast<int>(r_end - r), w + (n - base) * j.k, j.k, j.k, cols,
-            j.out + r * j.n + n, j.n);
+            j.out + r * j.n + n, j.n, i == 0 ? ahead : -1);
     }
   }
 }
