@@ -30,12 +30,17 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
+from strategies import FRESH_SEED  # noqa: E402
 
 # 8 CPU devices for the whole suite, fixed before JAX starts: the distribution tests lay models out on meshes of up
 # to 8 devices in-process; everything else runs on device 0 as before.
 jax.config.update("jax_num_cpu_devices", 8)
 
 _MODELS: dict = {}
+
+
+def pytest_report_header(config):
+    return f"fresh random configs (pass properties) from QCOMPILE_PASS_SEED={FRESH_SEED}"
 
 
 @pytest.fixture(scope="session")
