@@ -181,3 +181,18 @@ def test_arrivals_are_a_seeded_poisson_process():
 def test_request_rate_options_are_checked(tiny, changes, message):
     with pytest.raises(UsageError, match=message):
         run_bench(BenchOptions(source=tiny, **changes), emit=lambda line: None)
+
+
+def test_builds_whose_pipelines_make_the_same_graph_are_measured_once(tiny):
+    """On one device the mesh passes have no work, so `gqa-sharding` alone builds the unoptimized graph and
+    `all,-gqa-sharding` builds `all`'s: --ablate measures each distinct graph once, under every label that made it
+    (and says why), instead of timing the same executable again."""
+    from qcompile.compiler.builds import builds_from_checkpoint
+
+    lines: list[str] = []
+    _, _, builds, _ = builds_from_checkpoint(tiny, ["none", "all", "gqa-sharding", "all,-gqa-sharding", "swiglu-fusion"],
+                                             verify="none", emit=lines.append, progress=lambda _: None)
+    assert [b.label for b in builds] == ["none = gqa-sharding", "all = all,-gqa-sharding", "swiglu-fusion"]
+    assert builds[1].passes and "gqa-sharding" in builds[1].passes  # the first spec's pass list
+    assert any("build gqa-sharding: the same graph as build none (gqa-sharding had no work here)" in line
+               for line in lines), lines

@@ -29,13 +29,14 @@ class Build:
 def builds_from_checkpoint(source: Path, specs: list[str], dtype: str | None = None, mesh=None,
                            options: tuple = (), verify: str = "final", seed: int = 0,
                            emit: Callable[[str], None] = print, progress: Callable[[str], None] = log):
-    """(checkpoint, params, builds, target) for each pass SPEC in `specs` (builds of the same passes are merged).
-    `emit` gets each build's check line, `progress` what is being done (stderr)."""
+    """(checkpoint, params, builds, target) for each pass SPEC in `specs`; builds of the same passes, or whose
+    pipelines made the same graph (passes with no work here, e.g. the mesh passes on one device), are merged and
+    measured once. `emit` gets each build's check line, `progress` what is being done (stderr)."""
     from qcompile.frontend.checkpoint import Checkpoint
     from qcompile.ir.importer import build_graph
     from qcompile.ir.weights import fold_weight_preparation, load_params
     from qcompile.passes.base import PassContext
-    from qcompile.passes.equivalence import EquivalenceChecker
+    from qcompile.passes.equivalence import EquivalenceChecker, structural_hash
     from qcompile.passes.manager import run_pipeline
     from qcompile.passes.registry import parse_spec
 
@@ -52,6 +53,7 @@ def builds_from_checkpoint(source: Path, specs: list[str], dtype: str | None = N
         progress("preparing the numerics check")
         checker = EquivalenceChecker(graph, params, seed=seed, target=target)
     builds: dict[tuple[str, ...], Build] = {}
+    by_graph: dict[str, tuple[str, ...]] = {}  # structural hash of a pipeline's graph -> the build that has it
     for spec, selected in selections:
         key = tuple(p.name for p in selected)
         if key in builds:
@@ -59,6 +61,13 @@ def builds_from_checkpoint(source: Path, specs: list[str], dtype: str | None = N
             continue
         result = run_pipeline(graph, selected, PassContext(target=target, options=options), verify_mode=verify,
                               checker=checker)
+        same = by_graph.setdefault(structural_hash(result.graph), key)
+        if same != key:
+            idle = [r.name for r in result.records if r.status == "skipped"]
+            emit(f"build {spec}: the same graph as build {builds[same].label.split(' = ')[0]} "
+                 f"({', '.join(idle) or 'no pass'} had no work here); measured once")
+            builds[same].label += f" = {spec}"
+            continue
         check = None if result.final_check is None else result.final_check.to_json()
         folded = fold_weight_preparation(result.graph)
         build_params = params if folded is graph else load_params(ckpt, folded, loaded=params)
