@@ -63,9 +63,9 @@ def builds_from_checkpoint(source: Path, specs: list[str], dtype: str | None = N
                               checker=checker)
         same = by_graph.setdefault(structural_hash(result.graph), key)
         if same != key:
-            idle = [r.name for r in result.records if r.status == "skipped"]
+            differ = [name for name in dict.fromkeys(key + same) if (name in key) != (name in same)]
             emit(f"build {spec}: the same graph as build {builds[same].label.split(' = ')[0]} "
-                 f"({', '.join(idle) or 'no pass'} had no work here); measured once")
+                 f"({', '.join(differ)} had no work here); measured once")
             builds[same].label += f" = {spec}"
             continue
         check = None if result.final_check is None else result.final_check.to_json()
