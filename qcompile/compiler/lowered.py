@@ -17,16 +17,12 @@ import time
 from qcompile.ir.abi import batch_specs, cache_specs, data_parallel_ranks, graph_cache_types
 from qcompile.ir.graph import Graph
 from qcompile.ir.lowering import is_sharded, step_function
-from qcompile.ir.ops.collective import AllGather, AllReduce, AllToAll, ReduceScatter
+from qcompile.ir.ops.collective import COLLECTIVE_KINDS
 from qcompile.ir.types import np_dtype
 from qcompile.ir.weights import param_types
 
 #: jax.export's platform name of each lowering table
 PLATFORMS = {"cpu": "cpu", "tpu": "tpu", "gpu": "cuda"}
-_KINDS = {"all_reduce": "all-reduce", "all_gather": "all-gather", "reduce_scatter": "reduce-scatter",
-          "all_to_all": "all-to-all"}
-_GRAPH_KINDS = {AllReduce: "all-reduce", AllGather: "all-gather", ReduceScatter: "reduce-scatter",
-                AllToAll: "all-to-all"}
 _STABLEHLO_COLLECTIVE = re.compile(r"stablehlo\.(all_reduce|all_gather|reduce_scatter|all_to_all)\b")
 
 
@@ -34,7 +30,7 @@ def graph_collectives(graph: Graph) -> dict[str, int]:
     """The graph's collective ops, counted by kind."""
     counts: dict[str, int] = {}
     for node in graph.nodes():
-        kind = _GRAPH_KINDS.get(type(node.op))
+        kind = COLLECTIVE_KINDS.get(type(node.op))
         if kind is not None:
             counts[kind] = counts.get(kind, 0) + 1
     return dict(sorted(counts.items()))
@@ -44,7 +40,7 @@ def module_summary(text: str) -> dict:
     """Mosaic kernels and collectives (by kind) of an exported StableHLO module's text."""
     collectives: dict[str, int] = {}
     for match in _STABLEHLO_COLLECTIVE.finditer(text):
-        kind = _KINDS[match.group(1)]
+        kind = match.group(1).replace("_", "-")  # stablehlo.all_gather -> all-gather
         collectives[kind] = collectives.get(kind, 0) + 1
     return {"mosaic_kernels": text.count("@tpu_custom_call"), "collectives": dict(sorted(collectives.items())),
             "module_bytes": len(text)}

@@ -48,7 +48,7 @@ from qcompile.ir.graph import Graph
 from qcompile.ir.hardware import HARDWARE, hardware
 from qcompile.ir.importer import DEFAULT_PAGE_SIZE, ImportOptions, import_graph
 from qcompile.ir.mesh import parse_mesh_spec, request_host_devices
-from qcompile.ir.ops.collective import AllGather, AllReduce, AllToAll, ReduceScatter
+from qcompile.ir.ops.collective import COLLECTIVE_KINDS
 from qcompile.ir.ops.core import Input, Param
 from qcompile.ir.ops.moe import GroupedMatmul, GroupedMatmulSwiglu
 from qcompile.ir.types import np_dtype
@@ -60,7 +60,6 @@ from qcompile.passes.registry import parse_spec
 #: The field's two workload shapes (input, output tokens per request).
 WORKLOADS = {"prefill-heavy": (8192, 1024), "decode-heavy": (1024, 8192)}
 TARGETS = (*HARDWARE, "cpu")
-_KIND = {AllGather: "all-gather", ReduceScatter: "reduce-scatter", AllReduce: "all-reduce", AllToAll: "all-to-all"}
 
 
 @attrs.frozen
@@ -274,10 +273,10 @@ def device_step(graph: Graph, sizes: dict[str, int], step: StepShape, ranks: int
         types = [read_as.get(v) or graph.type_of(v) for v in node.operands]
         operands = [(t, local_shape(graph, t, t.bind(bound))) for t in types]
         results = [(t, local_shape(graph, t, t.bind(bound))) for t in node.types]
-        if type(op) in _KIND:
+        if type(op) in COLLECTIVE_KINDS:
             (t, shape), = results
             n = math.prod(mesh.axis_size(a) for a in op.mesh_axes)
-            kind = _KIND[type(op)]
+            kind = COLLECTIVE_KINDS[type(op)]
             sent[kind] = sent.get(kind, 0.0) + _nbytes(t, shape) * SENT_PER_RESULT_BYTE[kind](n)
             continue
         rule = COSTS.get(type(op))

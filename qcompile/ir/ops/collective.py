@@ -197,3 +197,8 @@ def _collective_cost(op_, operands, results, step):
     """Bytes of the whole (global) value: an upper bound of what one device sends or receives."""
     (out, out_shape), = results
     return Cost(0.0, nbytes(out, out_shape))
+
+
+#: Each collective op's kind, as XLA and the reports name it (plan's bytes per kind, the lowered step's counts).
+COLLECTIVE_KINDS = {AllGather: "all-gather", ReduceScatter: "reduce-scatter", AllReduce: "all-reduce",
+                    AllToAll: "all-to-all"}
