@@ -70,13 +70,17 @@ def assert_pass_contract(name, pass_, graph, checker):
 def assert_each_pass_contract(passes: dict, graph, checker):
     """`assert_pass_contract` for each pass in pipeline order, on the unoptimized graph and, where it does not apply
     there, on the graph the pipeline hands it (the passes before it applied): moe-allgather-rs and
-    hierarchical-collectives rewrite the collectives gqa-sharding lays out, so only there do they have work."""
-    handed = graph
+    hierarchical-collectives rewrite the collectives gqa-sharding lays out, so only there do they have work.
+    Returns the passes that had work."""
+    handed, applied = graph, set()
     for name, pass_ in passes.items():
         once = assert_pass_contract(name, pass_, graph, checker)
         if once.skipped is not None and handed is not graph:
-            assert_pass_contract(name, pass_, handed, checker)
+            once = assert_pass_contract(name, pass_, handed, checker)
+        if once.skipped is None:
+            applied.add(name)
         handed = pass_.run(handed, CONTEXTS.get(name, PassContext())).graph
+    return applied
 
 
 @settings(max_examples=EXAMPLES, deadline=None, derandomize=True,
@@ -140,7 +144,10 @@ def test_each_registered_pass_on_fresh_random_configs(config, mesh, scope, tmp_p
         model.graph.meta["mesh"] = parse_mesh_spec(mesh)
     checker = EquivalenceChecker(model.graph, model.params, seed=2)
     try:
-        assert_each_pass_contract(passes, model.graph, checker)
+        applied = assert_each_pass_contract(passes, model.graph, checker)
+        text = config.get("text_config", config)
+        if {"linear_attention", "full_attention"} <= set(text["layer_types"]):  # MoE, GDN and attention layers
+            assert applied >= set(EVERY_EXAMPLE), f"{set(EVERY_EXAMPLE) - applied} had no work on this model"
     except BaseException as failure:
         failure.add_note(f"configs drawn from QCOMPILE_PASS_SEED={FRESH_SEED} (set it to draw them again)")
         raise
