@@ -13,7 +13,7 @@ import pytest
 
 import qcompile.ir.importer  # noqa: F401  (registers the op catalogue)
 from qcompile.ir.ops.attention import PagedAttention
-from qcompile.ir.ops.core import Greedy, Linear, LinearF32, LinearSwiglu
+from qcompile.ir.ops.core import Greedy, Linear, LinearF32, LinearPanels, LinearSwiglu
 from qcompile.ir.ops.gdn import CausalConv1d, GatedDeltaNet, GdnRecurrence
 from qcompile.ir.ops.moe import GroupedMatmul, GroupedMatmulSwiglu
 from qcompile.ir.registry import TAKES_QUANTIZED, lowering_rule, target_rules
@@ -139,6 +139,14 @@ def _linear_swiglu_case(rng, batch, dtype):
     return LinearSwiglu(), (x, w)  # w [40, 48]: [gate ; up] of 20 rows each
 
 
+def _linear_panels_case(rng, batch, dtype):
+    """A [192, 48] weight in three column panels (K = 48 < the kernel's k block); linear_swiglu's halves on the mixed
+    batch."""
+    rows = sum(BATCHES[batch][0])
+    w = rng.standard_normal((3, 48, 64)).astype(dtype)
+    return LinearPanels(swiglu=batch == "mixed"), (rng.standard_normal((rows, 48)).astype(dtype), w)
+
+
 def _dequantize_case(rng, batch, dtype):
     """A [6, 40, 24] FP8 weight in blocks of [1, 16, 8] (the last blocks cut short)."""
     from qcompile.ir.ops.quant import Dequantize
@@ -170,7 +178,7 @@ def quantized(w, block):
 CASES = {"paged_attention": _attention_case, "dequantize": _dequantize_case, "causal_conv1d": _conv_case, "gdn_recurrence": _gdn_case,
          "linear": _linear_case, "linear_f32": _linear_f32_case, "grouped_matmul": _gmm_case, "greedy": _greedy_case,
          "grouped_matmul_swiglu": _gmm_swiglu_case, "linear_swiglu": _linear_swiglu_case,
-         "gated_delta_net": _gdn_fused_case}
+         "gated_delta_net": _gdn_fused_case, "linear_panels": _linear_panels_case}
 
 
 def test_every_target_rule_has_cases():

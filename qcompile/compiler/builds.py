@@ -69,7 +69,7 @@ def builds_from_checkpoint(source: Path, specs: list[str], dtype: str | None = N
             builds[same].label += f" = {spec}"
             continue
         check = None if result.final_check is None else result.final_check.to_json()
-        folded = fold_weight_preparation(result.graph)
+        folded = fold_weight_preparation(result.graph, target)
         build_params = params if folded is graph else load_params(ckpt, folded, loaded=params)
         builds[key] = Build(spec, list(key), folded, check, build_params)
         if check is not None:

@@ -221,6 +221,7 @@ def _compile_in_process(ckpt, spec: str, loaded: dict | None):
     """The checkpoint's graph through the selected passes (structurally verified), folded, with its parameters
     (arrays already in `loaded` — the reference's, from the same checkpoint — are reused, not read again)."""
     from qcompile.ir.importer import build_graph
+    from qcompile.ir.lowering import host_target
     from qcompile.ir.weights import fold_weight_preparation, load_params
     from qcompile.passes.base import PassContext
     from qcompile.passes.manager import run_pipeline
@@ -228,5 +229,5 @@ def _compile_in_process(ckpt, spec: str, loaded: dict | None):
 
     graph = build_graph(ckpt)
     result = run_pipeline(graph, parse_spec(spec), PassContext(), verify_mode="none")
-    folded = fold_weight_preparation(result.graph)
+    folded = fold_weight_preparation(result.graph, host_target())
     return folded, load_params(ckpt, folded, progress=False, loaded=loaded)

@@ -156,7 +156,7 @@ def compile_checkpoint(opts: CompileOptions, emit: Callable[[str], None] = print
     final_graph = result.graph
     if layers is not None:  # the slice was checked; now rewrite the whole graph with structural verification
         final_graph = run_pipeline(graph, selected, ctx, verify_mode="none").graph
-    final_graph = fold_weight_preparation(final_graph)
+    final_graph = fold_weight_preparation(final_graph, rules)
     if result.final_check is not None:
         fc = result.final_check
         what = (f"{'optimized' if selected else 'unoptimized'} ({rules} rules) vs reference" if lowering_checked

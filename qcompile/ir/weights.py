@@ -82,15 +82,17 @@ def _recipe(graph: Graph, value: Value) -> Graph:
     return b.build({})
 
 
-def fold_weight_preparation(graph: Graph) -> Graph:
-    """Replace every params-only value used by a step op with a prepared param (see the module docstring).
+def fold_weight_preparation(graph: Graph, target: str | None = None) -> Graph:
+    """Replace every params-only value used by a step op with a prepared param (see the module docstring), after
+    putting the weights in `target`'s layout (ir/target_layout.py; None: as the graph has them).
 
     Returns the same graph object when there is nothing to fold.
     """
     from qcompile.ir.fp8_layout import sink_dequantize
     from qcompile.ir.printer import print_graph
+    from qcompile.ir.target_layout import in_target_layout
 
-    graph = sink_dequantize(graph)  # FP8 weights' layout changes on their values and scales: prepared FP8 stays FP8
+    graph = sink_dequantize(in_target_layout(graph, target))  # FP8 weights' layout changes on their values and scales: prepared FP8 stays FP8
     pure = params_only(graph)
     if not pure:
         return graph
@@ -160,19 +162,54 @@ def param_types(graph: Graph) -> dict[str, TensorType]:
     return {node.op.name: node.op.type for node in graph.find(Param)}
 
 
-def _row_wise(recipe: Graph, rows: int) -> bool:
+def _row_factor(recipe: Graph, rows: int) -> int | None:
+    """Source rows per row of the prepared weight when its recipe is row-wise — row slab [a, b) of the result is
+    computed from rows [a·f, b·f) of every source — else None. f = 1 but for one reshape that splits axis 0 into
+    [rows, f, ...] (a weight cut into column panels, ir/target_layout.py)."""
+    factor = 1
     for node in recipe.nodes():
         op = node.op
         if isinstance(op, Param):
-            if not op.type.shape or op.type.shape[0] != rows:
-                return False
+            if not op.type.shape:
+                return None
+        elif type(op).__name__ == "Reshape":
+            source = recipe.type_of(node.operands[0]).shape
+            shape = node.types[0].shape
+            if factor != 1 or len(shape) != len(source) + 1 or shape[0] * shape[1] != source[0] \
+                    or tuple(shape[2:]) != tuple(source[1:]):
+                return None
+            factor = shape[1]
         elif type(op).__name__ not in _ROW_WISE:
-            return False
+            return None
         elif hasattr(op, "axis") and op.axis % len(node.types[0].shape) == 0:
-            return False
+            return None
         elif hasattr(op, "perm") and tuple(op.perm)[0] != 0:
-            return False
-    return True
+            return None
+    if any(n.op.type.shape[0] != rows * factor for n in recipe.find(Param)):
+        return None
+    return factor
+
+
+def _slab_recipe(recipe: Graph, rows: int, factor: int) -> str:
+    """The text of a row-wise recipe with a reshape (`_row_factor` > 1) for a slab of `rows` result rows: its sources
+    `rows`·factor rows long and the reshape's leading size `rows` (the other ops' attributes do not name axis 0)."""
+    from qcompile.ir.ops.core import Reshape
+    from qcompile.ir.printer import print_graph
+
+    b = Builder()
+    mapping: dict[Value, Value] = {}
+    for node in recipe.nodes():
+        op = node.op
+        if isinstance(op, Param):
+            new = b.param(op.name, op.type.with_shape((rows * factor, *op.type.shape[1:])))
+        elif isinstance(op, Reshape):
+            new = b.add(Reshape((rows, *op.shape[1:])), mapping[node.operands[0]])
+        else:
+            new = b.add(op, *[mapping[v] for v in node.operands])
+        mapping[node.results[0]] = new
+    for out, v in recipe.outputs.items():
+        b.output(out, mapping[v])
+    return print_graph(b.build(recipe.meta), "recipe")
 
 
 def weight_pieces(checkpoint: Checkpoint, graph: Graph, name: str, piece_bytes: int | None = None):
@@ -203,7 +240,8 @@ def weight_pieces(checkpoint: Checkpoint, graph: Graph, name: str, piece_bytes: 
     recipe = parse_graph(recipe_text, "<prepared weight recipe>")
     sources = [(n.op.name, np_dtype(n.op.type.dtype)) for n in recipe.find(Param)]
     fp8 = {n.op.name for n in recipe.find(Param) if n.op.type.dtype == "f8e4m3"}
-    if not rows or not _row_wise(recipe, rows):
+    factor = _row_factor(recipe, rows) if rows else None
+    if factor is None:
         def read(source: str, source_type):
             return jnp.asarray(checkpoint.load(source, source in fp8).astype(np_dtype(source_type.dtype)))
 
@@ -214,11 +252,13 @@ def weight_pieces(checkpoint: Checkpoint, graph: Graph, name: str, piece_bytes: 
         return
     for start in range(0, rows, step):
         stop = min(rows, start + step)
-        piece = {source: checkpoint.load_rows(source, start, stop, source in fp8).astype(d, copy=False)
+        first, last = start * factor, stop * factor
+        piece = {source: checkpoint.load_rows(source, first, last, source in fp8).astype(d, copy=False)
                  for source, d in sources}
-        yield np.asarray(_evaluate(recipe_text, lambda source, _type: piece[source]))
+        text = recipe_text if factor == 1 else _slab_recipe(recipe, stop - start, factor)
+        yield np.asarray(_evaluate(text, lambda source, _type: piece[source]))
         for source, _ in sources:
-            checkpoint.release_rows(source, start, stop)
+            checkpoint.release_rows(source, first, last)
 
 
 def to_device(host: np.ndarray) -> tuple[jax.Array, bool]:

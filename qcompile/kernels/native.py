@@ -48,6 +48,7 @@ KERNELS = {
     "qcompile_grouped_matmul_swiglu_fp8": ("grouped_matmul_f32.cc", "QcompileGroupedMatmulSwigluFp8"),
     "qcompile_linear_f32": ("linear_f32.cc", "QcompileLinearF32"),
     "qcompile_linear_fp8": ("linear_f32.cc", "QcompileLinearFp8"),
+    "qcompile_linear_panels_f32": ("linear_panels_f32.cc", "QcompileLinearPanelsF32"),
     "qcompile_gdn_recurrent_f32": ("gdn_recurrent_f32.cc", "QcompileGdnRecurrentF32"),
     "qcompile_gdn_recurrent_bf16_state": ("gdn_recurrent_f32.cc", "QcompileGdnRecurrentBf16State"),
     "qcompile_gdn_fused_f32": ("gdn_fused_f32.cc", "QcompileGdnFusedF32"),

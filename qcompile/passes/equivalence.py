@@ -32,6 +32,7 @@ from qcompile.ir.abi import (CHANNEL_GROUPS, LOGITS, NEXT_TOKENS, CacheConfig, W
 from qcompile.ir.graph import Graph
 from qcompile.ir.lowering import local_view, lower_step, whole_view
 from qcompile.ir.printer import print_graph
+from qcompile.ir.target_layout import in_target_layout
 from qcompile.ir.types import dtype_name, np_dtype
 
 CHECK_PROMPTS = (5, 9)  # warm-up prefills that fill the caches (same 16-token bucket as the check: one compile)
@@ -50,11 +51,12 @@ _RUNNERS: "weakref.WeakKeyDictionary[Graph, dict]" = weakref.WeakKeyDictionary()
 
 def run_graph(graph: Graph, params: dict, caches: dict, batch: dict, target: str = "reference",
               whole: tuple[str, ...] = ()) -> dict[str, np.ndarray]:
-    """Outputs of one step of `graph` lowered with `target`'s rules (jitted, not donating: the inputs are reused);
-    across processes each as this process holds it (`local_view`), except the outputs named in `whole`, gathered."""
+    """Outputs of one step of `graph` lowered with `target`'s rules, its weights in the target's layout as weight
+    preparation will lay them out (ir/target_layout.py; jitted, not donating: the inputs are reused); across
+    processes each as this process holds it (`local_view`), except the outputs named in `whole`, gathered."""
     runners = _RUNNERS.setdefault(graph, {})
     if target not in runners:
-        lowered = lower_step(graph, target)
+        lowered = lower_step(in_target_layout(graph, target), target)
         runners[target] = jax.jit(lambda p, c, b: lowered(p, {**c, **b}))
     return {k: whole_view(v) if k in whole else local_view(v)
             for k, v in runners[target](params, caches, batch).items()}

@@ -7,6 +7,7 @@ import attrs
 from qcompile.frontend.checkpoint import Checkpoint
 from qcompile.ir.graph import Graph
 from qcompile.ir.importer import build_graph
+from qcompile.ir.lowering import host_target
 from qcompile.ir.weights import fold_weight_preparation, load_params
 from qcompile.runtime.engine import CacheConfig, Engine
 
@@ -28,5 +29,5 @@ def load_model(path, dtype: str | None = None, page_size: int = 16, gdn_mode: st
     tensor at a time) and its device parameters. `fp8`: an FP8 checkpoint's weights kept FP8 or multiplied out
     (ir/importer.py `build_graph`)."""
     checkpoint = Checkpoint.open(path)
-    graph = fold_weight_preparation(build_graph(checkpoint, dtype, page_size, gdn_mode, fp8=fp8))
+    graph = fold_weight_preparation(build_graph(checkpoint, dtype, page_size, gdn_mode, fp8=fp8), host_target())
     return LoadedModel(checkpoint, graph, load_params(checkpoint, graph, progress))

@@ -17,7 +17,7 @@ from qcompile.ir.registry import expect, local_form, lowering, op, type_rule
 from qcompile.ir.types import Sharding, TensorType, num_elements_key, np_dtype
 from qcompile.kernels.grouped_matmul import swiglu_halves
 from qcompile.kernels.fp8 import QuantizedWeight, materialized
-from qcompile.kernels.linear import greedy_cpu, linear_cpu
+from qcompile.kernels.linear import PANEL, greedy_cpu, linear_cpu, linear_panels_cpu
 from qcompile.kernels.pallas_linear import fits as linear_fits, linear_fp8_tpu
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -178,6 +178,41 @@ def _linear_swiglu_tpu(op_, x, w):
 def _linear_swiglu_cpu(op_, x, w):
     """One weight sweep for gate and up (the native few-row kernel at decode), then the halves."""
     return swiglu_halves(linear_cpu(x, w))
+
+
+@op("linear_panels")
+@attrs.frozen
+class LinearPanels:
+    """linear_panels(x[...,K], w[P,K,64]) -> [...,64P] = linear(x, v) with v[64p + c, k] = w[p, k, c]: a linear whose
+    weight is prepared in column panels of 64, each stored k-major — the layout the CPU's native kernel streams
+    (ir/target_layout.py rewrites linear and linear_swiglu so for the cpu target). swiglu: linear_swiglu's halves
+    on top (-> [...,32P])."""
+
+    swiglu: bool = False
+
+
+@type_rule(LinearPanels)
+def _linear_panels_type(op_, x, w):
+    expect(w.rank == 3 and w.shape[2] == PANEL and x.shape[-1] == w.shape[1],
+           f"linear_panels weight {w} is not [P,K,{PANEL}] panels for input {x}")
+    expect(x.dtype == w.dtype, f"linear_panels dtypes differ: {x.dtype} vs {w.dtype}")
+    n = w.shape[0] * PANEL
+    return TensorType(x.dtype, (*x.shape[:-1], n // 2 if op_.swiglu else n))
+
+
+@lowering(LinearPanels)
+def _linear_panels(op_, x, w):
+    p, k, c = w.shape
+    y = jnp.einsum("...k,pkc->...pc", x, w, precision=HIGHEST, preferred_element_type=jnp.float32)
+    y = y.reshape(*x.shape[:-1], p * c).astype(x.dtype)
+    return swiglu_halves(y) if op_.swiglu else y
+
+
+@lowering(LinearPanels, "cpu")
+def _linear_panels_cpu(op_, x, w):
+    """The native panel kernel at every row count (kernels/linear.py), then linear_swiglu's halves if asked."""
+    y = linear_panels_cpu(x, w)
+    return swiglu_halves(y) if op_.swiglu else y
 
 
 @op("reshape")
@@ -425,3 +460,10 @@ def _linear_cost(op_, operands, results, step):
     (_, x_shape), (w, w_shape) = operands
     rows = math.prod(x_shape[:-1])
     return Cost(2.0 * rows * w_shape[0] * w_shape[1], nbytes(w, w_shape) if rows else 0)
+
+
+@cost(LinearPanels)
+def _linear_panels_cost(op_, operands, results, step):
+    (_, x_shape), (w, w_shape) = operands
+    rows = math.prod(x_shape[:-1])
+    return Cost(2.0 * rows * math.prod(w_shape), nbytes(w, w_shape) if rows else 0)

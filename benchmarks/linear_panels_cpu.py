@@ -1,0 +1,69 @@
+"""Time the CPU rules of a dense linear with weights from memory, as a decode step reads them: the row kernel on the
+checkpoint's [N, K] layout (`linear_native`, ≤ 48 rows; XLA's dot above), the panel kernel on the same weights in
+column panels (`linear_panels_cpu`), and XLA's dot on [N, K] (`linear_xla`).
+
+Usage: python benchmarks/linear_panels_cpu.py [--rows 1,8,32,128,512] [--repeats 6]
+
+One jitted chain multiplies the rows by the bench preset's dense weights of one decode step, eight times over
+(60 × [1024, 1024], 30 × [2048, 1024], 60 × [512, 1024], 60 × [1024, 512], 4 × [32000, 1024]; 1.28 GB, more than
+the last-level cache holds), each product feeding the next input, so every weight comes from memory and nothing runs
+concurrently. The minimum over --repeats runs is reported with GB/s (weight bytes ÷ time) and GFLOP/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from timing import best_ms
+
+from qcompile.kernels import linear as lin
+from qcompile.kernels import native
+
+SHAPES = [(1024, 1024)] * 60 + [(2048, 1024)] * 30 + [(512, 1024)] * 60 + [(1024, 512)] * 60 + [(32000, 1024)] * 4
+
+
+def chain(product):
+    @jax.jit
+    def run(x, weights):
+        total = 0.0
+        for w in weights:
+            k = x.shape[1]
+            need = w.shape[1]  # K of [N, K] and of [P, K, 64]
+            xi = x[:, :need] if need <= k else jnp.tile(x, (1, need // k))
+            y = product(xi, w)
+            total = total + y[:, :8].sum()
+            x = x + 1e-3 * y[:, :1]
+        return total
+    return run
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", default="1,8,32,128,512")
+    ap.add_argument("--repeats", type=int, default=6)
+    args = ap.parse_args()
+    for name in (lin.NATIVE_F32, lin.NATIVE_PANELS):
+        if not native.ensure(name):
+            raise SystemExit(f"native kernel unavailable: {native.status(name)}")
+    rng = np.random.default_rng(0)
+    weights = [jnp.asarray(rng.standard_normal((n, k)) / np.sqrt(k), jnp.float32) for n, k in SHAPES]
+    panels = [jax.block_until_ready(lin.pack_panels(w)) for w in weights]
+    nbytes = sum(n * k * 4 for n, k in SHAPES)
+    print("| rows | rule | ms | GB/s | GFLOP/s |\n|---|---|---|---|---|")
+    for rows in (int(r) for r in args.rows.split(",")):
+        x = jnp.asarray(rng.standard_normal((rows, 1024)), jnp.float32)
+        flops = sum(2 * rows * n * k for n, k in SHAPES)
+        rules = [("rows [N,K]" if rows <= lin.NATIVE_MAX_ROWS else "xla [N,K]", lin.linear_cpu, weights),
+                 ("panels", lin.linear_panels_cpu, panels)]
+        if rows <= lin.NATIVE_MAX_ROWS:
+            rules.append(("xla [N,K]", lin.linear_xla, weights))
+        for label, product, ws in rules:
+            ms = best_ms(chain(product), x, ws, repeats=args.repeats)
+            print(f"| {rows} | {label} | {ms:.1f} | {nbytes / ms / 1e6:.1f} | {flops / ms / 1e6:.0f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""Weights in the layout a target's rules read fastest, chosen per target before weight preparation is folded.
+
+Why: the checkpoint's layout is not always the one a target's kernel streams best. On CPU a decode step multiplies
+a few rows by every dense weight once; the Hugging Face [N, K] layout forces either dot products of rows (the input
+re-read from L2 for every few weight rows) or outer products over rows one page apart (the hardware prefetchers do
+not follow them). Column panels — w[N, K] cut into [N/64, K, 64], each panel k-major — are contiguous, and the
+native panel kernel streams them (kernels/linear.py, docs/cpu_rules.md). This is a property of the target, not an
+optimization a user would toggle, so it is not a pass: `fold_weight_preparation(graph, target)` applies it before
+folding (the packing becomes a prepared weight, computed once) and the equivalence checker applies it to every
+candidate it runs with the target's rules, so the layout and its kernel are checked on the user's graph.
+
+    before:  %3 = param "layers.0.self_attn.o_proj.weight" : f32[1024,1024]
+             %9 = linear(%8, %3) : f32[T,1024]
+    after:   %4 = reshape(%3) {shape=[16, 64, 1024]} : f32[16,64,1024]
+             %5 = transpose(%4) {perm=[0, 2, 1]} : f32[16,1024,64]       (params-only: folded at compile time)
+             %9 = linear_panels(%8, %5) {swiglu=false} : f32[T,1024]
+
+Rewritten (cpu): linear and linear_swiglu in f32 whose weight is known at compile time (params-only, not an FP8
+weight that stays FP8 in the step), unsharded, with N a multiple of 64. Everything else keeps its op. A graph on a
+device mesh is left as it is (its weights are laid out by their shardings).
+"""
+
+from __future__ import annotations
+
+from qcompile.ir.builder import Builder
+from qcompile.ir.graph import Graph, Value
+from qcompile.ir.ops.core import Input, Linear, LinearPanels, LinearSwiglu, Param, Reshape, Transpose
+from qcompile.kernels.linear import PANEL
+
+#: targets whose rules want linear weights in column panels
+PANEL_TARGETS = ("cpu",)
+
+
+def _panel_weights(graph: Graph) -> dict[int, bool]:
+    """Ids of the linear / linear_swiglu nodes to rewrite -> whether the node is linear_swiglu."""
+    from qcompile.ir.weights import params_only
+
+    pure = params_only(graph)
+    chosen: dict[int, bool] = {}
+    for node in graph.nodes():
+        if not isinstance(node.op, (Linear, LinearSwiglu)):
+            continue
+        x, w = node.operands
+        xt, wt = graph.type_of(x), graph.type_of(w)
+        known = w.node in pure or isinstance(graph.node(w.node).op, Param)
+        if (known and xt.dtype == "f32" and wt.dtype == "f32" and wt.sharding is None and xt.sharding is None
+                and isinstance(wt.shape[0], int) and wt.shape[0] % PANEL == 0 and isinstance(wt.shape[1], int)):
+            chosen[node.id] = isinstance(node.op, LinearSwiglu)
+    return chosen
+
+
+def in_target_layout(graph: Graph, target: str | None) -> Graph:
+    """`graph` with its weights in `target`'s layout (module docstring); the same graph object when nothing changes."""
+    if target not in PANEL_TARGETS or graph.meta.get("mesh") is not None:
+        return graph
+    chosen = _panel_weights(graph)
+    if not chosen:
+        return graph
+    b = Builder()
+    mapping: dict[Value, Value] = {}
+    panels: dict[Value, Value] = {}  # a weight -> its panels (a weight shared by two linears is packed once)
+    for node in graph.nodes():
+        op = node.op
+        if isinstance(op, Input):
+            new = b.input(op.name, op.type)
+        elif isinstance(op, Param):
+            new = b.param(op.name, op.type)
+        elif node.id in chosen:
+            x, w = node.operands
+            if w not in panels:
+                n, k = graph.type_of(w).shape
+                rows = b.add(Reshape((n // PANEL, PANEL, k)), mapping[w])
+                panels[w] = b.add(Transpose((0, 2, 1)), rows)
+            new = b.add(LinearPanels(swiglu=chosen[node.id]), mapping[x], panels[w])
+        else:
+            new = b.add_typed(op, [mapping[v] for v in node.operands], node.types)
+        mapping.update(zip(node.results, new if isinstance(new, tuple) else (new,)))
+    for name, v in graph.outputs.items():
+        b.output(name, mapping[v])
+    return b.build(graph.meta)

@@ -1,0 +1,148 @@
+// qcompile's native CPU linear over a weight in column panels (f32), an XLA FFI custom call. Built and registered by
+// qcompile/kernels/native.py; the CPU lowering of linear_panels (ir/ops/core.py, made by ir/target_layout.py from a
+// linear whose weight is known at compile time) calls it through jax.ffi.ffi_call.
+//
+// out[T, P*64] = x[T, K] · w, with w[P, K, 64] the [N, K] weight cut into panels of 64 output columns, each panel
+// stored k-major: panel p holds w[64p + c, k] at [p, k, c]. Weight preparation makes this layout once at compile
+// time (reshape + transpose on the param), so the step reads every panel as one contiguous run of memory.
+// Accumulation is f32, one product at a time in k order (the reassociating class of a dot).
+//
+// Why: at decode a step multiplies few rows by every weight once, and the Hugging Face [N, K] layout leaves two bad
+// choices. Dot products of rows (kernels/native/linear_f32.cc) need no packing, but at 32 rows every weight group
+// re-reads the whole input from L2 and ran at ~70 GFLOP/s per core with cold weights; outer products over [K, N]
+// stream 256-byte pieces of rows one page apart, which the hardware prefetchers do not follow (~4 GB/s per core).
+// Panels are contiguous: measured 120-135 GFLOP/s per core at 32 rows with weights from memory (docs/cpu_rules.md).
+//   * a register tile is up to kMr input rows x 64 columns (4 vectors), kMr*4 accumulators, fed per k by 4 vector
+//     loads of the panel and kMr broadcasts of x;
+//   * k runs in blocks of kKc panel rows (16 KiB, in L1 while every row tile of the chunk uses it); the partial sums
+//     go through the output between blocks;
+//   * each row tile prefetches part of the panel rows kPrefetchBlocks blocks ahead into L2 (into the next panel of
+//     its item near a panel's end), spread one line per k step over all tiles of a block;
+//   * a work item is a run of consecutive panels against a chunk of up to kRowChunk input rows, run on the caller
+//     and XLA's intra-op threads (parallel_items.h); consecutive panels keep the prefetch stream going.
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "parallel_items.h"
+#include "vec16.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+using qcompile_native::load;
+using qcompile_native::store;
+using qcompile_native::v16;
+
+constexpr int kMr = 6;                   // input rows per register tile
+constexpr int kNv = 4;                   // 16-float vectors per tile row
+constexpr int64_t kPanel = 16 * kNv;     // columns per panel (the layout's last dimension)
+constexpr int64_t kKc = 64;              // panel rows per k block
+constexpr int64_t kPrefetchBlocks = 2;   // k blocks prefetched ahead
+constexpr int64_t kRowChunk = 8 * kMr;   // input rows per work item
+constexpr int64_t kItemsPerThread = 4;   // panel runs per thread and row chunk (balance against prefetch streams)
+
+// Panel lines to prefetch while a tile computes: lines [first, first + count) of the run starting at base, `per_step`
+// of them at each k step.
+struct Prefetch {
+  const float* base = nullptr;
+  int64_t first = 0, count = 0, per_step = 1;
+};
+
+// out[m, 0:64] (+)= x[m, kb:ke] · panel[kb:ke, 0:64] for m < MR (add: on top of what out holds).
+template <int MR>
+void tile(const float* x, int64_t ldx, const float* panel, int64_t kb, int64_t ke, float* out, int64_t ldo,
+          bool add, Prefetch ahead) {
+  v16 acc[MR][kNv];
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < kNv; ++v) acc[m][v] = add ? load(out + m * ldo + 16 * v) : v16{};
+  for (int64_t k = kb; k < ke; ++k) {
+    for (int64_t l = (k - kb) * ahead.per_step, e = std::min(ahead.count, l + ahead.per_step); l < e; ++l)
+      __builtin_prefetch(ahead.base + (ahead.first + l) * 16, 0, 2);
+    v16 b[kNv];
+    for (int v = 0; v < kNv; ++v) b[v] = load(panel + k * kPanel + 16 * v);
+    for (int m = 0; m < MR; ++m) {
+      const float a = x[m * ldx + k];
+      for (int v = 0; v < kNv; ++v) acc[m][v] += a * b[v];
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < kNv; ++v) store(out + m * ldo + 16 * v, acc[m][v]);
+}
+
+void tile_rows(int rows, const float* x, int64_t ldx, const float* panel, int64_t kb, int64_t ke, float* out,
+               int64_t ldo, bool add, Prefetch ahead) {
+  switch (rows) {
+    case 1: tile<1>(x, ldx, panel, kb, ke, out, ldo, add, ahead); break;
+    case 2: tile<2>(x, ldx, panel, kb, ke, out, ldo, add, ahead); break;
+    case 3: tile<3>(x, ldx, panel, kb, ke, out, ldo, add, ahead); break;
+    case 4: tile<4>(x, ldx, panel, kb, ke, out, ldo, add, ahead); break;
+    case 5: tile<5>(x, ldx, panel, kb, ke, out, ldo, add, ahead); break;
+    default: tile<kMr>(x, ldx, panel, kb, ke, out, ldo, add, ahead); break;
+  }
+}
+
+struct Job {
+  const float* x;
+  const float* w;
+  float* out;
+  int64_t t, k, panels, row_chunks, panels_per_item;
+};
+
+// Item i: panels [pr * panels_per_item, +panels_per_item) against input rows [rc * kRowChunk, +kRowChunk).
+void run_item(const Job& j, int64_t i) {
+  const int64_t pr = i / j.row_chunks, rc = i % j.row_chunks;
+  const int64_t p0 = pr * j.panels_per_item, p1 = std::min(j.panels, p0 + j.panels_per_item);
+  const int64_t r0 = rc * kRowChunk, r1 = std::min(j.t, r0 + kRowChunk);
+  // Row tiles of near-equal size (32 rows: 6,6,5,5,5,5): a short tile reads the panel as often as a full one.
+  const int64_t tiles = (r1 - r0 + kMr - 1) / kMr;
+  const int64_t n = j.panels * kPanel, run_end = p1 * j.k * kPanel;  // floats of the item's panels
+  for (int64_t p = p0; p < p1; ++p) {
+    const float* panel = j.w + p * j.k * kPanel;
+    for (int64_t kb = 0; kb < j.k; kb += kKc) {
+      const int64_t ke = std::min(j.k, kb + kKc);
+      // The block kPrefetchBlocks ahead, in this item's panels only: its lines, split over the tiles.
+      const int64_t ahead = p * j.k * kPanel + (kb + kPrefetchBlocks * kKc) * kPanel;
+      const int64_t lines = std::max<int64_t>(0, std::min(kKc * kPanel, run_end - ahead)) / 16;
+      for (int64_t i = 0; i < tiles; ++i) {
+        const int64_t r = r0 + (r1 - r0) * i / tiles, r_end = r0 + (r1 - r0) * (i + 1) / tiles;
+        const int64_t l0 = lines * i / tiles, l1 = lines * (i + 1) / tiles;
+        const int64_t per_step = (l1 - l0 + (ke - kb) - 1) / (ke - kb);
+        tile_rows(static_cast<int>(r_end - r), j.x + r * j.k, j.k, panel, kb, ke, j.out + r * n + p * kPanel, n,
+                  kb > 0, Prefetch{j.w + ahead, l0, l1 - l0, per_step});
+      }
+    }
+  }
+}
+
+ffi::Error LinearPanelsF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                           ffi::ResultBuffer<ffi::F32> out) {
+  const auto xd = x.dimensions();
+  const auto wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 3 || wd[1] != xd[1] || wd[2] != kPanel)
+    return ffi::Error::InvalidArgument("qcompile linear_panels: expected x[T,K], w[P,K,64]");
+  Job job{x.typed_data(), w.typed_data(), out->typed_data(), xd[0], xd[1], wd[0], 0, 1};
+  if (job.t == 0 || job.panels == 0) return ffi::Error::Success();
+  if (job.k == 0) {
+    std::memset(job.out, 0, sizeof(float) * job.t * job.panels * kPanel);
+    return ffi::Error::Success();
+  }
+  job.row_chunks = (job.t + kRowChunk - 1) / kRowChunk;
+  const int64_t runs = std::max<int64_t>(1, std::min<int64_t>(job.panels, kItemsPerThread * pool.num_threads()));
+  job.panels_per_item = (job.panels + runs - 1) / runs;
+  const int64_t items = ((job.panels + job.panels_per_item - 1) / job.panels_per_item) * job.row_chunks;
+  qcompile_native::parallel_items(pool, items, [job](int64_t i) { run_item(job, i); });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QcompileLinearPanelsF32, LinearPanelsF32,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());

@@ -1,0 +1,163 @@
+"""Weights in the target's layout (ir/target_layout.py): on cpu, f32 linear and linear_swiglu weights known at compile
+time become column panels read by linear_panels; the packing folds into a prepared weight; the checker runs the
+laid-out graph with the target's rules; nothing else changes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from qcompile.frontend.checkpoint import Checkpoint
+from qcompile.ir.builder import Builder
+from qcompile.ir.importer import build_graph
+from qcompile.ir.ops.core import Linear, LinearPanels, LinearSwiglu, Param, Transpose
+from qcompile.ir.printer import print_graph
+from qcompile.ir.target_layout import in_target_layout
+from qcompile.ir.types import TensorType
+from qcompile.ir.verifier import verify
+from qcompile.ir.weights import fold_weight_preparation, load_params, prepared_names
+
+GOLDEN_AFTER = """\
+graph @step {
+  %0 = input "x" : f32[T,32]
+  %1 = param "proj" : f32[128,32]
+  %2 = reshape(%1) {shape=[2, 64, 32]} : f32[2,64,32]
+  %3 = transpose(%2) {perm=[0, 2, 1]} : f32[2,32,64]
+  %4 = linear_panels(%0, %3) {swiglu=false} : f32[T,128]
+  %5 = param "mlp" : f32[64,128]
+  %6 = reshape(%5) {shape=[1, 64, 128]} : f32[1,64,128]
+  %7 = transpose(%6) {perm=[0, 2, 1]} : f32[1,128,64]
+  %8 = linear_panels(%4, %7) {swiglu=true} : f32[T,32]
+  %9 = param "odd" : f32[40,32]
+  %10 = linear(%8, %9) : f32[T,40]
+  %11 = input "x2" : f32[T,32]
+  %12 = linear_panels(%11, %3) {swiglu=false} : f32[T,128]
+  return y=%8, odd=%10, shared=%12
+}
+"""
+
+
+def _small_graph():
+    """A linear (N = 128: two panels), a linear_swiglu (N = 64: one), a linear with N = 40 (not a multiple of 64:
+    kept) and a second linear over the first one's weight (packed once, shared)."""
+    b = Builder()
+    x = b.input("x", TensorType("f32", ("T", 32)))
+    h = b.add(Linear(), x, b.param("proj", TensorType("f32", (128, 32))))
+    mlp = b.param("mlp", TensorType("f32", (64, 128)))
+    y = b.add(LinearSwiglu(), h, mlp)
+    b.output("y", y)
+    b.output("odd", b.add(Linear(), y, b.param("odd", TensorType("f32", (40, 32)))))
+    b.output("shared", b.add(Linear(), b.input("x2", TensorType("f32", ("T", 32))), b.param("proj", TensorType("f32", (128, 32)))))
+    return b.build()
+
+
+def test_golden_cpu_layout_and_what_it_keeps():
+    """linear and linear_swiglu with N a multiple of 64 read panels (a weight two linears share is packed once);
+    N = 40 stays a linear."""
+    graph = _small_graph()
+    after = in_target_layout(graph, "cpu")
+    verify(after)
+    assert print_graph(after) == GOLDEN_AFTER
+
+
+@pytest.mark.parametrize("target", ["reference", "tpu", "gpu", None])
+def test_other_targets_keep_the_checkpoint_layout(target):
+    graph = _small_graph()
+    assert in_target_layout(graph, target) is graph
+
+
+def test_not_rewritten_bf16_or_a_weight_computed_in_the_step_or_a_mesh():
+    from qcompile.ir.mesh import Mesh
+
+    b = Builder()
+    x = b.input("x", TensorType("bf16", ("T", 32)))
+    b.output("bf16", b.add(Linear(), x, b.param("w", TensorType("bf16", (64, 32)))))
+    xf = b.input("xf", TensorType("f32", ("T", 32)))
+    step_weight = b.input("w_in_step", TensorType("f32", (64, 32)))  # a runtime value, not a weight
+    b.output("runtime", b.add(Linear(), xf, step_weight))
+    graph = b.build()
+    assert in_target_layout(graph, "cpu") is graph
+    f32 = Builder()
+    x = f32.input("x", TensorType("f32", ("T", 32)))
+    f32.output("y", f32.add(Linear(), x, f32.param("w", TensorType("f32", (64, 32)))))
+    meshed = f32.build({"mesh": Mesh(("model",), (1,), (0,))})
+    assert in_target_layout(meshed, "cpu") is meshed
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    from conftest import write_small
+
+    return write_small(tmp_path_factory.mktemp("layout") / "m", family="qwen3_5_moe", seed=11)
+
+
+def test_folded_cpu_graph_streams_panels_and_computes_the_same_logits(ckpt):
+    """On a tiny checkpoint: every f32 projection whose N is a multiple of 64 becomes linear_panels over a prepared
+    [N/64, K, 64] weight (the packing runs once, in load_params), and the folded cpu build's logits match the
+    unoptimized graph's reference rules in the reassociating class."""
+    from qcompile.passes.equivalence import EquivalenceChecker, outputs_by_item, run_graph
+
+    checkpoint = Checkpoint.open(ckpt)
+    graph = build_graph(checkpoint)
+    folded = fold_weight_preparation(graph, "cpu")
+    verify(folded)
+    linears = [n for n in graph.find(Linear) + graph.find(LinearSwiglu)
+               if graph.type_of(n.operands[1]).shape[0] % 64 == 0]
+    assert linears and len(folded.find(LinearPanels)) == len(linears)
+    assert not folded.find(Transpose)  # packing and the experts' transposes are all prepared weights
+    for node in folded.find(LinearPanels):
+        w = folded.node(node.operands[1].node).op
+        assert isinstance(w, Param) and w.name in prepared_names(folded) and w.type.shape[2] == 64
+    raw = load_params(checkpoint, graph, progress=False)
+    prepared = load_params(checkpoint, folded, progress=False, loaded=raw)
+    checker = EquivalenceChecker(graph, raw)
+    want = checker.outputs(graph, "reference")
+    got = outputs_by_item(checker.comparable(folded, run_graph(folded, prepared, checker.caches, checker.batch, "cpu")),
+                          checker.rows)
+    for key in want:
+        scale = max(float(np.abs(want[key]).max()), 1e-30)
+        assert np.abs(np.asarray(got[key], np.float64) - want[key]).max() / scale < 1e-5, key
+
+
+def test_checker_runs_candidates_in_the_target_layout(ckpt, monkeypatch):
+    """The checker lays out the graph it runs with cpu rules, so the panel kernel is what the check compares: a wrong
+    panel rule is caught."""
+    import jax.numpy as jnp
+
+    from qcompile.ir import registry
+    from qcompile.passes import equivalence
+    from qcompile.passes.equivalence import EquivalenceChecker
+
+    checkpoint = Checkpoint.open(ckpt)
+    graph = build_graph(checkpoint)
+    raw = load_params(checkpoint, graph, progress=False)
+    checker = EquivalenceChecker(graph, raw, target="cpu")
+    assert checker.check(graph, 1e-5).ok
+    rule = registry.lowering_rule(LinearPanels, "cpu")
+    monkeypatch.setattr(equivalence, "_RUNNERS", type(equivalence._RUNNERS)())  # no step compiled with the right rule
+    broken = lambda op_, x, w: rule(op_, x, jnp.flip(w, axis=2))  # noqa: E731  (each panel's columns reversed)
+    monkeypatch.setitem(registry.LOWERINGS, (LinearPanels, "cpu"), broken)
+    assert not EquivalenceChecker(graph, raw, target="cpu").check(graph, 1e-5).ok
+
+
+def test_panel_weights_stream_in_slabs_of_panels(ckpt):
+    """The artifact writer makes a prepared weight a slab of rows at a time: a panel recipe (reshape splitting axis 0,
+    transpose) is row-wise with 64 source rows per panel, so slabs of panels read only their own source rows and
+    together equal the whole packed weight."""
+    import jax.numpy as jnp
+
+    from qcompile.frontend.checkpoint import Checkpoint as Ckpt
+    from qcompile.ir.weights import weight_pieces
+    from qcompile.kernels.linear import pack_panels
+
+    checkpoint = Ckpt.open(ckpt)
+    folded = fold_weight_preparation(build_graph(checkpoint), "cpu")
+    name = next(n for n in prepared_names(folded) if '"lm_head"' in folded.meta["prepared"][n])
+    panels = folded.meta["prepared"][name].count("reshape")
+    assert panels == 1
+    vocab, hidden = checkpoint.params["lm_head"].shape
+    panel_bytes = 64 * hidden * 4
+    pieces = list(weight_pieces(checkpoint, folded, name, piece_bytes=3 * panel_bytes))
+    assert len(pieces) == -(-vocab // 64 // 3) > 1 and all(p.shape[0] <= 3 for p in pieces)
+    whole = np.concatenate(pieces)
+    np.testing.assert_array_equal(whole, np.asarray(pack_panels(jnp.asarray(checkpoint.load("lm_head")))))
