@@ -240,6 +240,8 @@ CASES = [  # lengths, slots (S = 5; 7 is out of range), hk, hv, dk, dv, taps, pa
     # from slot 4's conv history as stored before the call (found by the random shapes below: the native kernel
     # read it while another thread rewrote it).
     ((9, 3, 3, 0), (4, 0, 5, 2), 2, 4, 8, 8, 2, 2),
+    # dv = 20: bf16 state rows of a decode token widened and rounded 16 values at a time in registers, then 4 singly
+    ((1, 1, 3), (2, 0, 4), 1, 2, 8, 20, 4, 1),
 ]
 
 

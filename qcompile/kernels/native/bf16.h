@@ -7,6 +7,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "vec16.h"
+
 namespace qcompile_native {
 
 inline void widen(const uint16_t* __restrict src, float* __restrict dst, int64_t n) {
@@ -24,6 +26,26 @@ inline void narrow(const float* __restrict src, uint16_t* __restrict dst, int64_
     const uint32_t quiet_nan = (bits >> 16) | 0x40u;
     dst[i] = static_cast<uint16_t>((bits & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded);
   }
+}
+
+// The same conversions for 16 values at a time, in registers: no f32 copy of a bf16 row goes through memory.
+typedef uint16_t u16x16 __attribute__((vector_size(32), aligned(2)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+
+inline v16 widen16(const uint16_t* src) {
+  const u32x16 bits = __builtin_convertvector(*reinterpret_cast<const u16x16*>(src), u32x16) << 16;
+  v16 out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
+inline void narrow16(v16 value, uint16_t* dst) {
+  u32x16 bits;
+  std::memcpy(&bits, &value, sizeof(bits));
+  const u32x16 rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+  const u32x16 quiet_nan = (bits >> 16) | 0x40u;
+  const u32x16 out = (bits & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded;
+  *reinterpret_cast<u16x16*>(dst) = __builtin_convertvector(out, u16x16);
 }
 
 inline void widen(const float* __restrict src, float* __restrict dst, int64_t n) { std::memcpy(dst, src, 4 * n); }
