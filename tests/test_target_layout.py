@@ -66,6 +66,15 @@ def test_other_targets_keep_the_checkpoint_layout(target):
     assert in_target_layout(graph, target) is graph
 
 
+def test_without_the_native_kernel_cpu_keeps_the_checkpoint_layout(monkeypatch):
+    """QCOMPILE_NATIVE=off (or no compiler): XLA's dot on [N, K] is the faster rule, so no panels."""
+    graph = _small_graph()
+    monkeypatch.setenv("QCOMPILE_NATIVE", "off")
+    assert in_target_layout(graph, "cpu") is graph
+    monkeypatch.delenv("QCOMPILE_NATIVE")
+    assert in_target_layout(graph, "cpu") is not graph
+
+
 def test_not_rewritten_bf16_or_a_weight_computed_in_the_step_or_a_mesh():
     from qcompile.ir.mesh import Mesh
 

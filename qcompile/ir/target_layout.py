@@ -17,7 +17,9 @@ candidate it runs with the target's rules, so the layout and its kernel are chec
 
 Rewritten (cpu): linear and linear_swiglu in f32 whose weight is known at compile time (params-only, not an FP8
 weight that stays FP8 in the step), unsharded, with N a multiple of 64. Everything else keeps its op. A graph on a
-device mesh is left as it is (its weights are laid out by their shardings).
+device mesh is left as it is (its weights are laid out by their shardings), and so is every graph when the native
+panel kernel cannot be built here or QCOMPILE_NATIVE=off: without the kernel, XLA's dot is faster on the
+checkpoint's layout than on panels (1.5× at 128 rows, docs/cpu_rules.md).
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from __future__ import annotations
 from qcompile.ir.builder import Builder
 from qcompile.ir.graph import Graph, Value
 from qcompile.ir.ops.core import Input, Linear, LinearPanels, LinearSwiglu, Param, Reshape, Transpose
-from qcompile.kernels.linear import PANEL
+from qcompile.kernels import native
+from qcompile.kernels.linear import NATIVE_PANELS, PANEL
 
 #: targets whose rules want linear weights in column panels
 PANEL_TARGETS = ("cpu",)
@@ -51,7 +54,7 @@ def _panel_weights(graph: Graph) -> dict[int, bool]:
 
 def in_target_layout(graph: Graph, target: str | None) -> Graph:
     """`graph` with its weights in `target`'s layout (module docstring); the same graph object when nothing changes."""
-    if target not in PANEL_TARGETS or graph.meta.get("mesh") is not None:
+    if target not in PANEL_TARGETS or graph.meta.get("mesh") is not None or not native.ensure(NATIVE_PANELS):
         return graph
     chosen = _panel_weights(graph)
     if not chosen:

@@ -17,7 +17,8 @@ whose N is a multiple of PANEL): panel p holds w[PANEL·p + c, k] at [p, k, c], 
 of memory that an outer-product kernel (kernels/native/linear_panels_f32.cc) streams once per chunk of 48 rows.
 With weights from memory, as in a decode step, it ran 1.3× faster than the row kernel above at 32 rows and 1.1× at
 1 and 8, and as fast as XLA's dot or faster from 128 to 512 rows, so it serves every row count
-(benchmarks/linear_panels_cpu.py; docs/cpu_rules.md). Without a C++ compiler: XLA's dot over the panels.
+(benchmarks/linear_panels_cpu.py; docs/cpu_rules.md). Panels are made only where the kernel can be built; an artifact
+with panels run where it cannot falls back to XLA's dot over the panels (correct, slower).
 
 `greedy_cpu(logits[R, V]) -> i32[R]` is argmax as two plain reductions (the row maximum, then the lowest index that
 holds it) instead of XLA CPU's variadic (value, index) reduction, which ran 5× slower at [32, 32000] (2.3 vs
