@@ -116,8 +116,6 @@ def test_linear_panels_matches_float64_oracle_on_random_shapes():
     T = 0 and K = 0. Sequential f32 sums over K ≤ 1100: measured ≤ 2e-6 relative to the largest output; 1e-5 catches
     a wrong panel, a dropped k block or a row tile written to the wrong place."""
     rng = np.random.default_rng(20261205)
-    if not native.ensure(lin.NATIVE_PANELS):
-        pytest.skip(native.status(lin.NATIVE_PANELS))
     call = jax.jit(lin.linear_panels_cpu)
     shapes = [((1,), 1, 1), ((2, 3), 65, 2), ((48,), 1024, 3), ((32,), 63, 16), ((49,), 100, 1), ((100,), 1100, 5),
               ((0,), 16, 2), ((4,), 0, 3)]

@@ -162,8 +162,7 @@ def test_panel_weights_stream_in_slabs_of_panels(ckpt):
     checkpoint = Ckpt.open(ckpt)
     folded = fold_weight_preparation(build_graph(checkpoint), "cpu")
     name = next(n for n in prepared_names(folded) if '"lm_head"' in folded.meta["prepared"][n])
-    panels = folded.meta["prepared"][name].count("reshape")
-    assert panels == 1
+    assert folded.meta["prepared"][name].count("reshape") == 1  # the panel recipe, not a plain copy
     vocab, hidden = checkpoint.params["lm_head"].shape
     panel_bytes = 64 * hidden * 4
     pieces = list(weight_pieces(checkpoint, folded, name, piece_bytes=3 * panel_bytes))
