@@ -12,7 +12,7 @@ import pytest
 
 import toy_passes
 from qcompile.errors import NumericsError, UsageError, VerificationError
-from qcompile.passes.base import PassContext
+from qcompile.passes.base import REASSOCIATING, PassContext
 from qcompile.passes.equivalence import EquivalenceChecker, compare, structural_hash
 from qcompile.passes.manager import Instruments, PassError, Reproducer, run_pipeline
 from qcompile.passes.registry import parse_spec
@@ -178,6 +178,6 @@ def test_lossy_pass_is_checked_with_its_bound_and_a_drift_decode(tiny):
     (record,) = result.records
     assert record.check["ok"] and 0 < record.check["max_error"] <= 2e-2
     assert 0 < record.check["drift"] <= 2e-2  # measured over 8 teacher-forced decode steps
-    assert result.final_check.bound == 2e-2
+    assert result.final_check.bound == 2e-2 + REASSOCIATING["f32"]  # the pass's own bound plus the dtype's noise
     with pytest.raises(NumericsError, match="round-state-tight"):
         run_pipeline(model.graph, [toy_passes.ROUND_STATE_TIGHT], checker=checker)

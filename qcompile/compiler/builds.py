@@ -36,7 +36,7 @@ def builds_from_checkpoint(source: Path, specs: list[str], dtype: str | None = N
     from qcompile.ir.importer import build_graph
     from qcompile.ir.weights import fold_weight_preparation, load_params
     from qcompile.passes.base import PassContext
-    from qcompile.passes.equivalence import EquivalenceChecker, structural_hash
+    from qcompile.passes.equivalence import EquivalenceChecker, describe_check, structural_hash
     from qcompile.passes.manager import run_pipeline
     from qcompile.passes.registry import parse_spec
 
@@ -74,7 +74,7 @@ def builds_from_checkpoint(source: Path, specs: list[str], dtype: str | None = N
         builds[key] = Build(spec, list(key), folded, check, build_params)
         if check is not None:
             emit(f"build {spec}: passes {', '.join(key) or 'none'}; checked against the unoptimized graph "
-                 f"({target} rules vs reference): max error {check['max_error']:.2e} (bound {check['bound']:.0e})")
+                 f"({target} rules vs reference): {describe_check(check)}")
     # Keep only the arrays some build uses: the unoptimized graph's own weights (for the check) that every build
     # replaced by a prepared layout would otherwise stay resident beside it (bench peaked at 4.0 GiB on the 1.9 GiB
     # bench preset).

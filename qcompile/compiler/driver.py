@@ -28,7 +28,7 @@ from qcompile.ir.mesh import Mesh
 from qcompile.ir.lowering import target_rules_used
 from qcompile.ir.weights import fold_weight_preparation, load_params, prepared_names
 from qcompile.passes.base import PassContext
-from qcompile.passes.equivalence import EquivalenceChecker
+from qcompile.passes.equivalence import EquivalenceChecker, describe_check
 from qcompile.passes.manager import Instruments, Reproducer, run_pipeline
 from qcompile.passes.registry import parse_spec, spec_of
 
@@ -161,8 +161,8 @@ def compile_checkpoint(opts: CompileOptions, emit: Callable[[str], None] = print
         fc = result.final_check
         what = (f"{'optimized' if selected else 'unoptimized'} ({rules} rules) vs reference" if lowering_checked
                 else "optimized vs unoptimized")
-        emit(f"  {what:<26} {'ok' if fc.ok else 'FAILED':<9} max error {fc.max_error:.2e} "
-             f"(bound {fc.bound:.0e})" + (f" on layers {list(layers)}" if layers is not None else "")
+        emit(f"  {what:<26} {'ok' if fc.ok else 'FAILED':<9} {describe_check(fc.to_json())}"
+             + (f" on layers {list(layers)}" if layers is not None else "")
              + (f" with experts 0..{experts - 1}" if experts is not None else ""))
     report = {
         "qcompile_version": __version__, "checkpoint": str(opts.checkpoint), "target": opts.target,

@@ -17,7 +17,7 @@ from qcompile.errors import CheckpointError
 from qcompile.frontend.checkpoint import Checkpoint
 from qcompile.ir.parser import parse_graph
 from qcompile.passes.equivalence import EquivalenceChecker
-from qcompile.passes.manager import run_pipeline, with_drift
+from qcompile.passes.manager import check_pass, run_pipeline
 from qcompile.passes.registry import parse_spec
 from qcompile.ir.weights import load_params
 
@@ -59,13 +59,13 @@ def reproduce(directory: Path) -> tuple[bool, str]:
     result = run_pipeline(graph, passes, verify_mode="none")
     bound = float(info["bound"])
     names = ", ".join(p.name for p in passes) or "none"
+    lossy = any(p.tolerance == "lossy" for p in passes)
     if info.get("failing_pass") == "final":  # the whole pipeline (target rules) against the reference (reference rules)
-        check = checker.check(result.graph, bound)
-    else:  # one pass: its output against its input, both with the target's rules, plus a lossy pass's drift decode
-        check = checker.check(result.graph, bound, against=reference)
-        if check.ok and info.get("drift_steps") and len(passes) == 1 and passes[0].drift_steps:
-            drift = checker.drift(result.graph, passes[0].drift_steps, against=reference)
-            check = with_drift(check, drift, passes[0], reference.meta["dtype"])
+        check = checker.check(result.graph, bound, jumps=lossy)
+    elif len(passes) == 1:  # one pass: its output against its input (target rules), as the pipeline checked it
+        check = check_pass(checker, passes[0], result.graph, reference, reference.meta["dtype"], bound)
+    else:
+        check = checker.check(result.graph, bound, against=reference, jumps=lossy)
     where = f" on the {target} rules" if target != "reference" else ""
     if check.ok:
         return True, (f"passes {names}: no longer fails{where} (max error {check.max_error:.3g}, "

@@ -14,6 +14,21 @@ graph with another page size (kv-page-resize) is given the same logical caches i
 through its own layout's view. Lossy passes add a drift check: greedy decode steps, teacher-forced with the reference's tokens, comparing
 each step's logits and greedy token (`Drift`: the largest logit error, the top-1 agreement, the first step where
 the greedy tokens differ).
+
+Every non-exact check's bound is at least NOISE_FACTOR times the unoptimized graph's own rounding noise (`Noise`:
+the graph on its target's rules against the reference rules, on the check batch, measured once per checker). In f32
+that noise is ~1e-6 and changes nothing; a bf16 graph of some depth is further from itself than bf16's reassociating
+1e-2 (8 layers of 64 experts top-8: 3.8e-2; the bench preset in bf16: 5.8e-2, where `compile --passes none` failed
+its own final check), because bf16 rounding flips MoE routes for a few tokens per layer (design.md §5), and a rewrite
+can only be held to what reordering the arithmetic does anyway. The report says when a bound was widened.
+
+A lossy comparison (`compare(..., jumps=True)`) forgives jumps: in each output at most one row in JUMP_EVERY (at
+least one) may exceed the bound. A lossy change is not small everywhere the way a reordered sum is: where it moves an
+MoE router's score across a near-tie, that token takes another expert set and its row (and what that sequence's
+cache holds after it) moves by a discrete step — measured on tiny bf16 models with bf16 states, one logits row of 15
+at 0.13–0.24 where the others stay under 1.5e-2, its router's expert set differing at that row and nowhere else. A
+lossy change that is wrong moves most rows of the check's warm sequences (6 logits rows, 2 of 3 cache sequences), so
+it still fails.
 """
 
 from __future__ import annotations
@@ -30,13 +45,15 @@ from qcompile.ir.abi import (CHANNEL_GROUPS, LOGITS, NEXT_TOKENS, CacheConfig, W
                              from_cache_layout, graph_cache_types, pack_ranked, to_cache_layout,
                              token_bucket)
 from qcompile.ir.graph import Graph
-from qcompile.ir.lowering import local_view, lower_step, whole_view
+from qcompile.ir.lowering import host_target, local_view, lower_step, whole_view
 from qcompile.ir.printer import print_graph
 from qcompile.ir.target_layout import in_target_layout
 from qcompile.ir.types import dtype_name, np_dtype
 
 CHECK_PROMPTS = (5, 9)  # warm-up prefills that fill the caches (same 16-token bucket as the check: one compile)
 CHECK_WORK = (1, 5, 9)  # then: a decode token, a 5-token continuation, a fresh 9-token prefill
+JUMP_EVERY = 8  # a lossy comparison forgives at most one row in this many (at least one) beyond the bound: jumps
+NOISE_FACTOR = 3.0  # a check's bound is at least this many times the unoptimized graph's own rounding noise (Noise)
 
 
 def structural_hash(graph: Graph) -> str:
@@ -166,9 +183,42 @@ class CheckResult:
     first_divergence: int | None = None  # lossy passes: first drift step whose greedy tokens differ (None: none)
     drift_steps: int | None = None
     retyped: dict = attrs.field(factory=dict)  # output name -> "f32 -> bf16" for outputs compared across dtypes
+    # lossy comparisons: output name -> {"rows", "of", "max_error"} of the rows forgiven as jumps (a flipped MoE route;
+    # max_error None for token ids); `errors` and `max_error` are then over the other rows
+    jumps: dict = attrs.field(factory=dict)
+    agreement_outside_ties: float | None = None  # lossy passes: `agreement` counting near-ties of the reference as kept
+    class_bound: float | None = None  # the pass class's bound; `bound` is larger where the model's own noise is
+    noise: float | None = None  # the unoptimized graph's own rounding noise on the check batch (`Noise.error`)
 
     def to_json(self) -> dict:
         return attrs.asdict(self)
+
+
+def describe_check(check: dict) -> str:
+    """A check's error for a report line (from `CheckResult.to_json()`): the max error and bound, and the rows a lossy
+    comparison forgave as jumps."""
+    if check.get("class_bound") is not None and check["bound"] > check["class_bound"]:
+        text = (f"max error {check['max_error']:.2e} (bound {check['bound']:.2e}: {NOISE_FACTOR:g} x the unoptimized "
+                f"graph's own rounding noise {check['noise']:.2e}, over the class's {check['class_bound']:.0e})")
+    else:
+        text = f"max error {check['max_error']:.2e} (bound {check['bound']:.0e})"
+    jumps = [f"{name} {jump['rows']}/{jump['of']} rows" + ("" if jump["max_error"] is None
+                                                           else f" to {jump['max_error']:.2e}")
+             for name, jump in (check.get("jumps") or {}).items()]
+    if jumps:
+        text += f"; forgiven as jumps (where an MoE route flips): {', '.join(jumps)}"
+    return text
+
+
+@attrs.frozen
+class Noise:
+    """How far reordering the unoptimized graph's arithmetic alone moves its outputs on the check batch: the graph on
+    its target's rules (the host's when the check runs the reference rules) against the reference rules. In f32 it
+    is ~1e-6 and widens nothing; in a bf16 graph of some depth it is the measure a rewrite is held to (module
+    docstring)."""
+
+    error: float  # the largest relative error over the float outputs
+    token_rows: float  # the fraction of greedy-token rows whose ids differ
 
 
 @attrs.frozen
@@ -180,13 +230,20 @@ class Drift:
     median_error: float  # the median step's: accumulated drift, not one step where an MoE router's near-tie flipped
     agreement: float  # fraction of steps whose greedy (argmax) tokens agree
     first_divergence: int | None  # first step whose greedy tokens differ
+    # fraction of steps whose greedy tokens agree or differ only at a near-tie of the reference's own logits (the
+    # candidate's token within `tie_bound` of the best, relative to the step's largest logit)
+    agreement_outside_ties: float
 
 
-def _compare_token_ids(name: str, ref, got, ref_logits, bound: float) -> tuple[float, str]:
+def _compare_token_ids(name: str, ref, got, ref_logits, bound: float, jumps: bool = False,
+                       noise: float = 0.0) -> tuple[float, str, int]:
     """Integer outputs (greedy token ids) are compared as tokens, not numbers: the error is the fraction of rows whose
-    ids differ. A differing row is forgiven only where it is a near-tie in the reference's own logits — the
+    ids differ. A differing row is forgiven where it is a near-tie in the reference's own logits — the
     candidate's token scores within `bound` (relative to the logits' scale) of the reference's best — because a
-    pass in the reassociating class may legitimately flip an exact tie and nothing else."""
+    pass in the reassociating class may legitimately flip an exact tie and nothing else; and, as jumps, where the
+    rows left number at most one in JUMP_EVERY (`jumps`: a lossy comparison) or NOISE_FACTOR times the fraction
+    `noise` of rows whose ids the unoptimized graph's own rounding noise changes. Returns (error, reason, rows
+    forgiven as jumps)."""
     differ = np.asarray(ref != got).reshape(ref.shape[0], -1).any(axis=1) if ref.size else np.zeros(0, bool)
     if ref_logits is not None and differ.any() and ref_logits.shape[0] == ref.shape[0] and ref.ndim == 1:
         logits = np.asarray(ref_logits, np.float64)
@@ -196,15 +253,33 @@ def _compare_token_ids(name: str, ref, got, ref_logits, bound: float) -> tuple[f
         in_range = (np.asarray(got)[rows] >= 0) & (np.asarray(got)[rows] < logits.shape[1])
         gap = logits[rows].max(axis=1) - logits[rows, chosen]
         differ[rows[in_range & (gap <= bound * scale)]] = False
+    allowed = max(max(1, differ.size // JUMP_EVERY) if jumps else 0, int(NOISE_FACTOR * noise * differ.size))
+    if 0 < differ.sum() <= allowed:
+        return 0.0, "", int(differ.sum())
     fraction = float(differ.mean()) if differ.size else 0.0
     if fraction:
         return fraction, (f"output {name}: {int(differ.sum())} of {differ.size} token ids differ where the reference "
-                          f"logits have no near-tie")
-    return 0.0, ""
+                          f"logits have no near-tie"), 0
+    return 0.0, "", 0
 
 
-def compare(reference: dict, candidate: dict, bound: float) -> CheckResult:
-    errors, token_errors, reasons, retyped = {}, {}, [], {}
+def _row_errors(ref64: np.ndarray, got64: np.ndarray, scale: float) -> np.ndarray:
+    """Each row's (leading index's) largest |candidate − reference| relative to the output's scale."""
+    finite = np.isfinite(ref64)
+    diff = np.where(finite, np.abs(got64 - np.where(finite, ref64, 0.0)), 0.0) / scale
+    return diff.reshape(diff.shape[0] if diff.ndim else 1, -1).max(axis=1) if diff.size else np.zeros(0)
+
+
+def compare(reference: dict, candidate: dict, bound: float, jumps: bool = False,
+            noise: "Noise | None" = None) -> CheckResult:
+    """Every output of `candidate` against `reference` within `bound` (module docstring); `jumps`: a lossy
+    comparison, which forgives at most one row in JUMP_EVERY of each output beyond the bound; `noise`: the
+    unoptimized graph's own rounding noise, which widens a non-zero bound to NOISE_FACTOR times it where that is
+    larger."""
+    class_bound = bound
+    if noise is not None and bound > 0:  # the exact class stays bitwise in any dtype
+        bound = max(bound, NOISE_FACTOR * noise.error)
+    errors, token_errors, reasons, retyped, jumped = {}, {}, [], {}, {}
     for name, ref in reference.items():
         got = candidate.get(name)
         if got is None:
@@ -218,7 +293,10 @@ def compare(reference: dict, candidate: dict, bound: float) -> CheckResult:
         partial = isinstance(got, np.ma.MaskedArray)
         ref, got, ref_logits = _held(np.asarray(ref), got, reference.get(LOGITS))
         if np.issubdtype(ref.dtype, np.integer):
-            token_errors[name], reason = _compare_token_ids(name, ref, got, ref_logits, bound)
+            token_errors[name], reason, forgiven = _compare_token_ids(
+                name, ref, got, ref_logits, bound, jumps, noise.token_rows if noise is not None else 0.0)
+            if forgiven:
+                jumped[name] = {"rows": forgiven, "of": int(ref.shape[0]) if ref.ndim else 1, "max_error": None}
             if reason:
                 reasons.append(reason)
             continue
@@ -236,12 +314,18 @@ def compare(reference: dict, candidate: dict, bound: float) -> CheckResult:
         elif scale == 0.0:
             reasons.append(f"reference output {name} is all zeros, so the check cannot fail; refusing to pass it")
             continue
-        finite = np.isfinite(ref64)
-        errors[name] = float(np.abs(got64[finite] - ref64[finite]).max()) / scale
+        rows = _row_errors(ref64, got64, scale)
+        over = rows > bound
+        if jumps and 0 < over.sum() <= max(1, rows.size // JUMP_EVERY):
+            jumped[name] = {"rows": int(over.sum()), "of": int(rows.size), "max_error": float(rows.max())}
+            rows = rows[~over]
+        errors[name] = float(rows.max(initial=0.0))
         if errors[name] > bound:
-            reasons.append(f"output {name}: relative error {errors[name]:.3g} > bound {bound:.3g}")
+            worst = f" ({int(over.sum())} of {rows.size} rows)" if jumps else ""
+            reasons.append(f"output {name}: relative error {errors[name]:.3g} > bound {bound:.3g}{worst}")
     max_error = max(errors.values(), default=0.0)  # token outputs are a fraction of rows, not a relative error
-    return CheckResult(not reasons, max_error, bound, {**errors, **token_errors}, "; ".join(reasons), retyped=retyped)
+    return CheckResult(not reasons, max_error, bound, {**errors, **token_errors}, "; ".join(reasons), retyped=retyped,
+                       jumps=jumped, class_bound=class_bound, noise=noise.error if noise is not None else None)
 
 
 class EquivalenceChecker:
@@ -275,6 +359,7 @@ class EquivalenceChecker:
         self.batch, self.rows = self._pack(self.work, 1)
         self.caches = caches
         self._outputs: dict[tuple[str, str], dict] = {}
+        self._noise: Noise | None = None
         self.reference_outputs = self.outputs(reference, "reference")
 
     def outputs(self, graph: Graph, target: str | None = None) -> dict:
@@ -324,15 +409,32 @@ class EquivalenceChecker:
         (default: the reference's), and its logit rows."""
         return self._layout(self.page_size if page_size is None else page_size).pack(work, self.bucket, ranks=ranks)
 
-    def check(self, candidate: Graph, bound: float, against: Graph | None = None) -> CheckResult:
+    def check(self, candidate: Graph, bound: float, against: Graph | None = None, jumps: bool = False) -> CheckResult:
         """Compare `candidate` (target rules) with `against` (target rules; default: the unoptimized reference with
-        the reference rules) on the check inputs."""
+        the reference rules) on the check inputs; `jumps`: a lossy comparison (`compare`)."""
         base = self.reference_outputs if against is None else self.outputs(against)
-        return compare(base, self.outputs(candidate), bound)
+        return compare(base, self.outputs(candidate), bound, jumps=jumps, noise=self.noise)
 
-    def drift(self, candidate: Graph, steps: int, against: Graph | None = None) -> Drift:
+    @property
+    def noise(self) -> Noise:
+        """The unoptimized graph's own rounding noise on the check batch (`Noise`), measured once."""
+        if self._noise is None:
+            rules = self.target if self.target != "reference" else host_target()
+            reordered = self.outputs(self.reference, rules)
+            probe = compare(self.reference_outputs, reordered, float("inf"))
+            tokens = 0.0
+            if NEXT_TOKENS in reordered and NEXT_TOKENS in self.reference_outputs:
+                got, ref = reordered[NEXT_TOKENS], self.reference_outputs[NEXT_TOKENS]
+                held = ~(np.ma.getmaskarray(got) | np.ma.getmaskarray(ref))  # across processes: the rows held here
+                if held.any():
+                    tokens = float(np.mean((np.ma.getdata(got) != np.ma.getdata(ref))[held]))
+            self._noise = Noise(probe.max_error, tokens)
+        return self._noise
+
+    def drift(self, candidate: Graph, steps: int, against: Graph | None = None, tie_bound: float = 0.0) -> Drift:
         """`steps` greedy decode steps after an 8-token prompt, both graphs teacher-forced with the reference's tokens:
-        the largest relative logit error, the top-1 agreement and the first step where the greedy tokens differ."""
+        the largest relative logit error, the top-1 agreement (also counting a differing token as kept where the
+        reference's own logits are within `tie_bound` of a tie) and the first step where the greedy tokens differ."""
         base = against or self.reference
         rng = np.random.default_rng(self.seed + 1)
         prompt = rng.integers(3, int(base.meta["vocab_size"]), 8).tolist()
@@ -344,7 +446,7 @@ class EquivalenceChecker:
             seqs.add()
             caches = empty_caches(graph_cache_types(graph), cache.sizes(page_size))
             runs.append([graph, target, seqs, caches])
-        errors, token, agree, first = [], None, 0, None
+        errors, token, agree, near_ties, first = [], None, 0, 0, None
         for step in range(steps + 1):
             tokens = prompt if step == 0 else [token]
             logits = []
@@ -357,12 +459,14 @@ class EquivalenceChecker:
                 logits.append(out["logits"][rows[0][0]])
             ref, got = (np.asarray(x, np.float64) for x in logits)
             errors.append(float(np.abs(got - ref).max() / max(np.abs(ref).max(), 1e-30)))
-            token = int(np.argmax(ref))
-            if int(np.argmax(got)) == token:
+            token, chosen = int(np.argmax(ref)), int(np.argmax(got))
+            if chosen == token:
                 agree += 1
-            elif first is None:
-                first = step
-        return Drift(steps + 1, max(errors), float(np.median(errors)), agree / (steps + 1), first)
+                continue
+            first = step if first is None else first
+            near_ties += bool(ref[token] - ref[chosen] <= tie_bound * np.abs(ref).max())
+        return Drift(steps + 1, max(errors), float(np.median(errors)), agree / (steps + 1), first,
+                     (agree + near_ties) / (steps + 1))
 
 
 def is_kv_pages(name: str) -> bool:

@@ -23,7 +23,7 @@ from qcompile.ir.graph import Graph
 from qcompile.ir.printer import print_graph
 from qcompile.ir.verifier import verify
 from qcompile.passes.base import TARGET_RULES, Pass, PassContext, PassResult
-from qcompile.passes.equivalence import CheckResult, EquivalenceChecker, structural_hash
+from qcompile.passes.equivalence import CheckResult, EquivalenceChecker, describe_check, structural_hash
 
 VERIFY_MODES = ("each", "final", "none")
 
@@ -52,13 +52,14 @@ class PassRecord:
         what = what or ("changed" if self.changed else "no change")  # the JSON report has them
         err = ""
         if self.check is not None:
-            err = f"  max error {self.check['max_error']:.2e} (bound {self.check['bound']:.0e})"
+            err = "  " + describe_check(self.check)
             if self.check.get("drift") is not None:
                 first = self.check["first_divergence"]
                 err += (f"; over {self.check['drift_steps']} decode steps logit error median "
                         f"{self.check['drift']:.2e} max {self.check['drift_max']:.2e}, greedy tokens agree "
-                        f"{self.check['agreement']:.1%}"
-                        + (f" (first difference at step {first})" if first is not None else ""))
+                        f"{self.check['agreement']:.1%} ({self.check['agreement_outside_ties']:.1%} counting the "
+                        "reference's near-ties)"
+                        + (f", first difference at step {first}" if first is not None else ""))
         status = "FAILED" if self.status == "failed" else "applied"
         return f"  {self.name:<26} {status:<9} {what}{err}  {self.seconds + self.check_seconds:.2f}s"
 
@@ -155,17 +156,35 @@ def _run_one(pass_: Pass, graph: Graph, ctx: PassContext, before: list[str]) -> 
 def with_drift(check, drift, pass_: Pass, dtype: str):
     """The check with a lossy pass's drift decode: the median step's logit error within the pass's bound (one step
     can jump where a perturbation flips an MoE router's near-tie — a discrete change the max would report as drift),
-    and the greedy tokens agreeing with the reference's on at least `min_agreement` of the steps."""
+    and the greedy tokens agreeing with the reference's on at least `min_agreement` of the steps, a step whose tokens
+    differ only at a near-tie of the reference's logits (within the bound) counting as agreeing: measured on tiny
+    random bf16 and FP8 models with bf16 states, raw agreement 0.92–0.98 and 0.97–0.99 outside near-ties, where a
+    state never stored agrees on a fraction of the steps."""
     reasons = []
-    bound = pass_.bound(dtype)
+    bound = max(pass_.bound(dtype), check.bound)  # the check's bound: widened where the model's own noise is larger
     if drift.median_error > bound:
         reasons.append(f"median logit error over {drift.steps} decode steps {drift.median_error:.3g} > bound {bound:.3g}")
-    if pass_.min_agreement is not None and drift.agreement < pass_.min_agreement:
-        reasons.append(f"greedy tokens agree on {drift.agreement:.1%} of {drift.steps} decode steps "
-                       f"< {pass_.min_agreement:.0%} (first difference at step {drift.first_divergence})")
+    if pass_.min_agreement is not None and drift.agreement_outside_ties < pass_.min_agreement:
+        reasons.append(f"greedy tokens agree on {drift.agreement_outside_ties:.1%} of {drift.steps} decode steps "
+                       f"counting near-ties, {drift.agreement:.1%} not counting them, < {pass_.min_agreement:.0%} "
+                       f"(first difference at step {drift.first_divergence})")
     return attrs.evolve(check, drift=drift.median_error, drift_max=drift.max_error, agreement=drift.agreement,
-                        first_divergence=drift.first_divergence, drift_steps=drift.steps, ok=not reasons,
-                        reason="; ".join(reasons))
+                        agreement_outside_ties=drift.agreement_outside_ties,
+                        first_divergence=drift.first_divergence, drift_steps=drift.steps, ok=check.ok and not reasons,
+                        reason="; ".join(r for r in (check.reason, *reasons) if r))
+
+
+def check_pass(checker: EquivalenceChecker, pass_: Pass, candidate: Graph, against: Graph, dtype: str,
+               bound: float | None = None):
+    """One pass's check: its output against its input (both with the target's rules) within its class's bound (or
+    `bound`, a reproducer's); a lossy pass's comparison forgives jumps (`compare`) and adds the drift decode when the
+    check batch holds."""
+    bound = pass_.bound(dtype) if bound is None else bound
+    check = checker.check(candidate, bound, against=against, jumps=pass_.tolerance == "lossy")
+    if check.ok and pass_.drift_steps:
+        drift = checker.drift(candidate, pass_.drift_steps, against=against, tie_bound=check.bound)
+        check = with_drift(check, drift, pass_, dtype)
+    return check
 
 
 def run_pipeline(graph: Graph, passes: list[Pass], ctx: PassContext = PassContext(), *, verify_mode: str = "each",
@@ -183,6 +202,7 @@ def run_pipeline(graph: Graph, passes: list[Pass], ctx: PassContext = PassContex
     records: list[PassRecord] = []
     ran: list[str] = []
     budget = 0.0  # final-check bound: the applied passes' bounds add up (first-order error accumulation)
+    lossy = False  # a lossy pass applied: the final comparison forgives jumps too
     for index, pass_ in enumerate(passes, start=1):
         result, seconds = _run_one(pass_, current, ctx, ran)
         trail = f" (after: {', '.join(ran)})" if ran else " (first pass)"
@@ -197,12 +217,10 @@ def run_pipeline(graph: Graph, passes: list[Pass], ctx: PassContext = PassContex
                     raise VerificationError(f"IR verification failed after pass {pass_.name}{trail}: {err}") from None
                 if verify_mode == "each":
                     started = time.perf_counter()
-                    check = checker.check(result.graph, pass_.bound(graph.meta["dtype"]), against=current)
-                    if check.ok and pass_.drift_steps:
-                        check = with_drift(check, checker.drift(result.graph, pass_.drift_steps, against=current),
-                                            pass_, graph.meta["dtype"])
+                    check = check_pass(checker, pass_, result.graph, current, graph.meta["dtype"])
                     check_seconds = time.perf_counter() - started
                 budget += pass_.bound(graph.meta["dtype"])
+                lossy = lossy or pass_.tolerance == "lossy"
             record = PassRecord(pass_.name, "applied", result.changed, dict(result.stats), "", seconds,
                                 check.to_json() if check else None, check_seconds,
                                 pass_.cpu_note if ctx.target == "cpu" else "")
@@ -227,7 +245,7 @@ def run_pipeline(graph: Graph, passes: list[Pass], ctx: PassContext = PassContex
     if verify_mode != "none" and checker.target != "reference":
         budget += TARGET_RULES[graph.meta["dtype"]]  # the target's rules against the reference rules
     if verify_mode != "none" and (current is not reference or checker.target != "reference"):
-        final = checker.check(current, budget, against=None)
+        final = checker.check(current, budget, against=None, jumps=lossy)
         if not final.ok:
             where = ""
             if reproducer is not None:
