@@ -149,6 +149,23 @@ def _evaluate(recipe_text: str, read) -> object:
     return fn(inputs)
 
 
+def prepare_from(graph: Graph, params: dict, have: dict) -> dict:
+    """The weights a folded `graph` names, from `params` (the arrays of the graph it was folded from): plain names
+    as they are, prepared names from `have` or computed from their recipe (and added to `have`, the caller's cache:
+    a prepared name is its recipe's hash, so graphs sharing a recipe share the array)."""
+    recipes = graph.meta.get("prepared", {})
+    out = {}
+    for node in graph.find(Param):
+        name = node.op.name
+        if name in params:
+            out[name] = params[name]
+        else:
+            if name not in have:
+                have[name] = _evaluate(recipes[name], lambda source, _type: params[source])
+            out[name] = have[name]
+    return out
+
+
 #: Largest piece `weight_pieces` makes at once: what bounds the host memory of streaming a checkpoint.
 PIECE_BYTES = 32 << 20
 #: Recipe ops that act on every row (axis 0) independently, so a recipe made of them can be evaluated a slab of rows
