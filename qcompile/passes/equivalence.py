@@ -17,7 +17,7 @@ the greedy tokens differ).
 
 In a bf16 (or f16) graph every non-exact check's bound is at least NOISE_FACTOR times the unoptimized graph's own
 rounding noise (`Noise`: the graph on its target's rules against the reference rules, on the check batch, measured
-once per checker), capped at NOISE_CAP. A bf16 graph of some depth is further from itself than bf16's reassociating
+once per checker; a checker on the reference rules has none), capped at NOISE_CAP. A bf16 graph of some depth is further from itself than bf16's reassociating
 1e-2 (8 layers of 64 experts top-8: 3.8e-2; the bench preset in bf16: 5.8e-2, where `compile --passes none` failed
 its own final check), because bf16 rounding flips MoE routes for a few tokens per layer (design.md §5), and a rewrite
 can only be held to what reordering the arithmetic does anyway. The probe runs the target's rules, so a wrong target
@@ -48,7 +48,7 @@ from qcompile.ir.abi import (CHANNEL_GROUPS, LOGITS, NEXT_TOKENS, CacheConfig, W
                              from_cache_layout, graph_cache_types, pack_ranked, to_cache_layout,
                              token_bucket)
 from qcompile.ir.graph import Graph
-from qcompile.ir.lowering import host_target, is_sharded, local_view, lower_step, whole_view
+from qcompile.ir.lowering import is_sharded, local_view, lower_step, whole_view
 from qcompile.ir.printer import print_graph
 from qcompile.ir.target_layout import in_target_layout
 from qcompile.ir.types import dtype_name, np_dtype
@@ -70,6 +70,9 @@ def structural_hash(graph: Graph) -> str:
 
 
 _RUNNERS: "weakref.WeakKeyDictionary[Graph, dict]" = weakref.WeakKeyDictionary()
+# Parameters from which a checker folds weight preparation out of the step (`PreparedWeights`): below it (the tiny
+# test models, a few MB) the preparation costs less per step than compiling each recipe on its own.
+FOLD_MIN_BYTES = 64 << 20
 
 
 class PreparedWeights:
@@ -81,6 +84,7 @@ class PreparedWeights:
 
     def __init__(self, params: dict):
         self.params = params
+        self.nbytes = sum(int(getattr(v, "nbytes", 0)) for v in params.values())
         self.arrays: dict = {}
         self.recent: list[set[str]] = []
 
@@ -99,9 +103,10 @@ def run_graph(graph: Graph, params: "dict | PreparedWeights", caches: dict, batc
     preparation will lay them out (ir/target_layout.py; jitted, not donating: the inputs are reused); across
     processes each as this process holds it (`local_view`), except the outputs named in `whole`, gathered.
 
-    Given `PreparedWeights`, the graph's weight preparation is folded and computed once (`PreparedWeights`); given a
-    plain dict of parameters, or for a graph laid out on a mesh, it runs inside the step."""
-    fold = isinstance(params, PreparedWeights) and not is_sharded(graph)
+    Given `PreparedWeights` whose parameters take at least FOLD_MIN_BYTES, the graph's weight preparation is folded
+    and computed once (`PreparedWeights`); given a plain dict of parameters, smaller ones (compiling each recipe
+    costs more than preparing them in every step) or for a graph laid out on a mesh, it runs inside the step."""
+    fold = isinstance(params, PreparedWeights) and params.nbytes >= FOLD_MIN_BYTES and not is_sharded(graph)
     runners = _RUNNERS.setdefault(graph, {})
     if (target, fold) not in runners:
         step_graph = fold_weight_preparation(graph, target) if fold else in_target_layout(graph, target)
@@ -249,9 +254,8 @@ def describe_check(check: dict) -> str:
 @attrs.frozen
 class Noise:
     """How far reordering the unoptimized graph's arithmetic alone moves its outputs on the check batch: the graph on
-    its target's rules (the host's when the check runs the reference rules) against the reference rules. In f32 it
-    is ~1e-6 and widens nothing; in a bf16 graph of some depth it is the measure a rewrite is held to (module
-    docstring)."""
+    its target's rules against the reference rules. Measured for bf16 and f16 graphs: in a bf16 graph of some depth
+    it is the measure a rewrite is held to (module docstring)."""
 
     error: float  # the largest relative error over the float outputs
     token_rows: float  # the fraction of greedy-token rows whose ids differ
@@ -454,12 +458,12 @@ class EquivalenceChecker:
 
     @property
     def noise(self) -> Noise:
-        """The unoptimized graph's own rounding noise on the check batch (`Noise`), measured once; none in f32."""
-        if self._noise is None and self.reference.meta["dtype"] not in NOISY_DTYPES:
+        """The unoptimized graph's own rounding noise on the check batch (`Noise`), measured once (the first check of a
+        pass runs the same graph and rules, so it costs nothing more); none in f32 or on the reference rules."""
+        if self._noise is None and (self.reference.meta["dtype"] not in NOISY_DTYPES or self.target == "reference"):
             self._noise = Noise(0.0, 0.0)
         if self._noise is None:
-            rules = self.target if self.target != "reference" else host_target()
-            reordered = self.outputs(self.reference, rules)
+            reordered = self.outputs(self.reference, self.target)
             probe = compare(self.reference_outputs, reordered, float("inf"))
             tokens = 0.0
             if NEXT_TOKENS in reordered and NEXT_TOKENS in self.reference_outputs:
