@@ -103,9 +103,14 @@ def test_a_wrong_rewrite_still_fails_at_the_widened_bound(deep_bf16):
 
 
 def test_the_exact_class_stays_bitwise():
-    ref = {"logits": np.ones((4, 4), np.float32)}
-    got = {"logits": ref["logits"] + np.float32(1e-6)}
+    ref = {"logits": np.ones((4, 4), np.float32), "next_tokens": np.arange(4, dtype=np.int32)}
+    got = {"logits": ref["logits"] + np.float32(1e-6), "next_tokens": ref["next_tokens"]}
     assert not compare(ref, got, 0.0, noise=Noise(0.5, 0.5)).ok
+    logits = np.arange(16, dtype=np.float32).reshape(4, 4)  # each row's best is column 3, by a clear margin
+    ref = {"logits": logits, "next_tokens": np.full(4, 3, np.int32)}
+    flipped = {"logits": logits, "next_tokens": np.array([3, 3, 3, 0], np.int32)}
+    assert compare(ref, flipped, 1e-2, noise=Noise(0.0, 0.5)).ok  # a reassociating check forgives one row here
+    assert not compare(ref, flipped, 0.0, noise=Noise(0.0, 0.5)).ok  # the exact class does not
 
 
 def test_a_wrong_target_rule_cannot_widen_its_own_check_away(deep_bf16, monkeypatch):

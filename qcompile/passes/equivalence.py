@@ -334,7 +334,7 @@ def compare(reference: dict, candidate: dict, bound: float, jumps: bool = False,
         ref, got, ref_logits = _held(np.asarray(ref), got, reference.get(LOGITS))
         if np.issubdtype(ref.dtype, np.integer):
             token_errors[name], reason, forgiven = _compare_token_ids(
-                name, ref, got, ref_logits, bound, jumps, noise.token_rows if noise is not None else 0.0)
+                name, ref, got, ref_logits, bound, jumps, noise.token_rows if noise is not None and bound > 0 else 0.0)
             if forgiven:
                 jumped[name] = {"rows": forgiven, "of": int(ref.shape[0]) if ref.ndim else 1, "max_error": None}
             if reason:
