@@ -90,8 +90,8 @@ class PreparedWeights:
 
     def for_graph(self, folded: Graph) -> dict:
         names = set(prepared_names(folded))
-        if names not in self.recent:
-            self.recent = [*self.recent[-1:], names]
+        if not self.recent or self.recent[-1] != names:
+            self.recent = [*[r for r in self.recent if r != names][-1:], names]
             keep = set().union(*self.recent)
             self.arrays = {k: v for k, v in self.arrays.items() if k in keep}
         return prepare_from(folded, self.params, self.arrays)
@@ -275,6 +275,18 @@ class Drift:
     agreement_outside_ties: float
 
 
+def _jump_allowance(rows: int) -> int:
+    """Rows of an output a lossy comparison may forgive as jumps: one in JUMP_EVERY, at least one."""
+    return max(1, rows // JUMP_EVERY)
+
+
+def _near_tie(logits: np.ndarray, chosen: np.ndarray, bound: float, scale: float) -> np.ndarray:
+    """Whether each row's `chosen` token scores within `bound` × `scale` (the logits' largest magnitude) of the
+    row's best: a differing greedy token there is a near-tie of the reference, not a change."""
+    gap = logits.max(axis=-1) - np.take_along_axis(logits, chosen[..., None], axis=-1)[..., 0]
+    return gap <= bound * scale
+
+
 def _compare_token_ids(name: str, ref, got, ref_logits, bound: float, jumps: bool = False,
                        noise: float = 0.0) -> tuple[float, str, int]:
     """Integer outputs (greedy token ids) are compared as tokens, not numbers: the error is the fraction of rows whose
@@ -287,13 +299,12 @@ def _compare_token_ids(name: str, ref, got, ref_logits, bound: float, jumps: boo
     differ = np.asarray(ref != got).reshape(ref.shape[0], -1).any(axis=1) if ref.size else np.zeros(0, bool)
     if ref_logits is not None and differ.any() and ref_logits.shape[0] == ref.shape[0] and ref.ndim == 1:
         logits = np.asarray(ref_logits, np.float64)
-        scale = float(np.abs(logits[np.isfinite(logits)]).max()) if logits.size else 0.0
         rows = np.flatnonzero(differ)
         chosen = np.clip(np.asarray(got)[rows].astype(np.int64), 0, logits.shape[1] - 1)
         in_range = (np.asarray(got)[rows] >= 0) & (np.asarray(got)[rows] < logits.shape[1])
-        gap = logits[rows].max(axis=1) - logits[rows, chosen]
-        differ[rows[in_range & (gap <= bound * scale)]] = False
-    allowed = max(max(1, differ.size // JUMP_EVERY) if jumps else 0, int(NOISE_FACTOR * noise * differ.size))
+        scale = float(np.abs(logits[np.isfinite(logits)]).max()) if logits.size else 0.0
+        differ[rows[in_range & _near_tie(logits[rows], chosen, bound, scale)]] = False
+    allowed = max(_jump_allowance(differ.size) if jumps else 0, int(NOISE_FACTOR * noise * differ.size))
     if 0 < differ.sum() <= allowed:
         return 0.0, "", int(differ.sum())
     fraction = float(differ.mean()) if differ.size else 0.0
@@ -356,7 +367,7 @@ def compare(reference: dict, candidate: dict, bound: float, jumps: bool = False,
             continue
         rows = _row_errors(ref64, got64, scale)
         over = rows > bound
-        if jumps and 0 < over.sum() <= max(1, rows.size // JUMP_EVERY):
+        if jumps and 0 < over.sum() <= _jump_allowance(rows.size):
             jumped[name] = {"rows": int(over.sum()), "of": int(rows.size), "max_error": float(rows.max())}
             rows = rows[~over]
         errors[name] = float(rows.max(initial=0.0))
@@ -507,7 +518,7 @@ class EquivalenceChecker:
                 agree += 1
                 continue
             first = step if first is None else first
-            near_ties += bool(ref[token] - ref[chosen] <= tie_bound * np.abs(ref).max())
+            near_ties += bool(_near_tie(ref, np.int64(chosen), tie_bound, float(np.abs(ref).max())))
         return Drift(steps + 1, max(errors), float(np.median(errors)), agree / (steps + 1), first,
                      (agree + near_ties) / (steps + 1))
 
