@@ -537,7 +537,13 @@ def init_tiny_cmd(directory, family, preset, seed, dtype, sparse, force):
 @click.option("--max-step-tokens", default=512, show_default=True, help="Largest prefill chunk per step.")
 @click.option("--verify", type=click.Choice(["final", "none"]), default="final", show_default=True,
               help="Check each build against the unoptimized graph before measuring it.")
-@click.option("--seed", default=0, show_default=True, help="Seed of the random prompts.")
+@click.option("--seed", default=0, show_default=True,
+              help="Seed of the random prompts, the arrivals, and the sampling (request i draws with seed + i).")
+@click.option("--temperature", default=0.0, show_default=True, type=float,
+              help="Sample every request with this temperature (0: greedy), on both engines.")
+@click.option("--top-k", default=0, show_default=True, type=int, help="With --temperature: keep the K most likely (0: off).")
+@click.option("--top-p", default=1.0, show_default=True, type=float,
+              help="With --temperature: keep the most likely tokens up to probability P (1: off).")
 @click.option("--memory-budget", metavar="SIZE", callback=_size_option,
               help="Refuse (exit 2) a concurrency whose weights + caches + temporaries + runtime exceed SIZE.")
 @click.option("--json", "json_path", type=click.Path(path_type=Path), help="Write the results (docs/benchmarks.md schema).")
@@ -547,14 +553,16 @@ def init_tiny_cmd(directory, family, preset, seed, dtype, sparse, force):
                    "CPU devices (simulated: they share its cores).")
 @_cluster_options
 def bench_cmd(source, url, workload, scale, input_len, output_len, concurrency, num_prompts, request_rate,
-              passes_spec, compare, ablate, dtype, max_step_tokens, verify, seed, memory_budget, json_path, plot_path,
-              mesh_spec, coordinator, num_processes, process_id, join_timeout):
+              passes_spec, compare, ablate, dtype, max_step_tokens, verify, seed, temperature, top_k, top_p,
+              memory_budget, json_path, plot_path, mesh_spec, coordinator, num_processes, process_id, join_timeout):
     """Measure prefill/decode throughput, latency and % of roofline of CHECKPOINT (or an artifact), or of a running
     server with --url."""
     from qcompile.compiler.bench import BenchOptions, run_bench
+    from qcompile.runtime.sampling import Sampling
 
     if (source is None) == (url is None):
         raise UsageError("give a CHECKPOINT (or artifact) to measure in this process, or --url of a running server")
+    sampling = Sampling(temperature, top_k, top_p, seed % 2**32)  # refused (exit 2) before anything loads
 
     try:
         levels = tuple(int(part) for part in concurrency.split(","))
@@ -582,7 +590,7 @@ def bench_cmd(source, url, workload, scale, input_len, output_len, concurrency, 
                         concurrency=levels, num_prompts=num_prompts, passes=passes_spec, compare=tuple(compare),
                         ablate=ablate, json_path=json_path, plot_path=plot_path, seed=seed, dtype=dtype,
                         max_step_tokens=max_step_tokens, verify=verify, memory_budget=memory_budget,
-                        request_rate=request_rate, mesh=mesh, url=url)
+                        request_rate=request_rate, mesh=mesh, url=url, sampling=sampling)
     run_bench(opts, emit=click.echo if leader else lambda *args, **kwargs: None)
 
 

@@ -196,3 +196,44 @@ def test_builds_whose_pipelines_make_the_same_graph_are_measured_once(tiny):
     assert builds[1].passes and "gqa-sharding" in builds[1].passes  # the first spec's pass list
     for spec, twin in (("gqa-sharding", "none"), ("all,-gqa-sharding", "all")):
         assert f"build {spec}: the same graph as build {twin} (gqa-sharding had no work here); measured once" in lines
+
+
+def test_sampled_runs_draw_each_request_with_its_own_seed_on_both_engines(tiny, monkeypatch):
+    """--temperature/--top-k/--top-p: qcompile's steps draw request i with seed + i (waves and arrivals alike), the
+    report says how it sampled, and transformers draws through its own warpers (top-k 2 never leaves the best two,
+    top-k 1 is the argmax; a greedy run stays the argmax)."""
+    import torch
+
+    from qcompile.compiler import measure
+    from qcompile.runtime.engine import Engine
+    from qcompile.runtime.sampling import Sampling
+
+    seen: list[tuple] = []
+    real = Engine.step_tokens
+
+    def recording(self, work, sampling=None, counters=None):
+        seen.append((tuple(p.seed for p in sampling) if sampling else None, tuple(counters or ())))
+        return real(self, work, sampling, counters)
+
+    monkeypatch.setattr(Engine, "step_tokens", recording)
+    sampling = Sampling(temperature=0.9, top_k=5, top_p=0.8, seed=7)
+    lines: list[str] = []
+    result = run_bench(BenchOptions(source=tiny, input_len=6, output_len=4, concurrency=(2,), num_prompts=4,
+                                    verify="none", sampling=sampling), emit=lines.append)
+    assert result["sampling"] == {"temperature": 0.9, "top_k": 5, "top_p": 0.8, "seed": 7}
+    assert any("sampled: temperature 0.9, top-k 5, top-p 0.8" in line for line in lines)
+    assert result["runs"][0]["complete"] and result["runs"][0]["requests"] == 4
+    decode = [s for s in seen if len(s[0] or ()) == 2 and s[1][0] > 0]
+    assert decode and {s[0] for s in decode} == {(7, 8), (9, 10)}  # two waves of two: seeds 7 + i
+    assert {s[1] for s in decode} == {(1, 1), (2, 2), (3, 3)}  # the n-th generated token is drawn as the n-th
+    seen.clear()
+    monkeypatch.setattr(Engine, "compile_all_buckets", lambda self, sampling=False: None)  # (time) compile on use
+    run_bench(BenchOptions(source=tiny, input_len=6, output_len=3, concurrency=(2,), num_prompts=3, request_rate=100.0,
+                           verify="none", sampling=sampling), emit=lambda line: None)
+    assert {seed for s in seen if s[0] for seed in s[0]} == {7, 8, 9}
+
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0]] * 400)
+    drawn = measure._transformers_chooser(Sampling(temperature=1.0, top_k=2, seed=1))(None, logits)
+    assert set(drawn.tolist()) == {0, 1}
+    for greedy in (Sampling(temperature=1.0, top_k=1), Sampling()):
+        assert set(measure._transformers_chooser(greedy)(None, logits).tolist()) == {0}

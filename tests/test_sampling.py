@@ -12,6 +12,7 @@ import pytest
 
 from qcompile.errors import UsageError
 from qcompile.ir.abi import CacheConfig
+from qcompile.runtime import sampling
 from qcompile.runtime.sampling import GREEDY, Sampling, filtered_logits, sample
 from qcompile.runtime.scheduler import Request, Scheduler
 
@@ -47,6 +48,79 @@ def test_draws_follow_the_tempered_softmax():
     assert np.array_equal(again, drawn[:50])
     for greedy in (GREEDY, Sampling(temperature=1.0, top_k=1, seed=7)):
         assert set(np.asarray(sample(logits, [0] * 20, [greedy] * 20, list(range(20))))[:20].tolist()) == {0}
+
+
+def _kept_by_sorting(x: np.ndarray, top_k: int, top_p: float) -> set[int]:
+    """The filters' definition, by sorting one row of tempered logits (ties at a threshold kept)."""
+    ordered = np.sort(x)[::-1].astype(np.float64)
+    if top_k > 0:
+        x = np.where(x < ordered[min(top_k, x.size) - 1], -np.inf, x)
+    probs = np.exp(x - x.max()) / np.exp(x - x.max()).sum()
+    ordered = np.sort(probs)[::-1]
+    before = np.cumsum(ordered) - ordered
+    last = max(int(np.sum(before < top_p)) - 1, 0)
+    return set(np.flatnonzero(probs >= ordered[last]).tolist()) if top_p < 1 else set(np.flatnonzero(x > -np.inf).tolist())
+
+
+FILTERS = [(0, 0.5), (0, 0.9), (0, 0.999), (1, 1.0), (7, 1.0), (20, 0.8), (256, 1.0), (256, 0.95), (257, 0.9),
+           (300, 1.0), (0, 1.0), (5000, 0.7), (0, 0.578)]
+
+
+def _plateau(vocab: int) -> np.ndarray:
+    """vocab // 8 tokens at 3, then vocab // 4 tied at 2: at vocab 2000, top-p 0.578's nucleus ends 3 tokens into
+    the tie, 6 candidates before the last one — a tie at the nucleus's threshold that runs past the candidates."""
+    row = np.full(vocab, -30.0)
+    row[:vocab // 8], row[vocab // 8:vocab // 8 + vocab // 4] = 3.0, 2.0
+    return np.random.default_rng(0).permutation(row)
+
+
+@pytest.mark.parametrize("vocab", [200, 2000])
+def test_filters_keep_what_sorting_keeps_whole_rows_and_candidates(vocab):
+    """Without a sort: the whole-row bisection keeps exactly the sorted-order rule's tokens, and where the fast path
+    says its 256 candidates settle a row, it keeps the same tokens. Logits rounded to a few levels make ties at the
+    thresholds (kept), sharp and flat rows make nuclei narrower and wider than the candidates; k > 256 and a nucleus
+    wider than 256 tokens must not be settled by the candidates."""
+    rng = np.random.default_rng(vocab)
+    rows = [np.round(rng.standard_normal(vocab) * 3) / 2, rng.standard_normal(vocab) * 6, rng.standard_normal(vocab) * 0.05,
+            np.round(rng.standard_normal(vocab) * 8), _plateau(vocab)]
+    x = jnp.asarray(np.repeat(np.stack(rows).astype(np.float32), len(FILTERS), axis=0))
+    top_k = jnp.asarray([k for k, _ in FILTERS] * len(rows), jnp.int32)
+    top_p = jnp.asarray([p for _, p in FILTERS] * len(rows), jnp.float32)
+    whole = np.asarray(sampling._keep_whole_rows(x, top_k, top_p))
+    _, ids, keep, settled = (np.asarray(a) for a in sampling._candidates(x, top_k, top_p))
+    settled_count = 0
+    for i in range(x.shape[0]):
+        expected = _kept_by_sorting(np.asarray(x[i]), int(top_k[i]), float(top_p[i]))
+        assert set(np.flatnonzero(whole[i]).tolist()) == expected, (i, FILTERS[i % len(FILTERS)])
+        if settled[i]:
+            settled_count += 1
+            assert set(ids[i][keep[i]].tolist()) == expected, (i, FILTERS[i % len(FILTERS)])
+        if vocab > sampling.CANDIDATES and len(expected) > sampling.CANDIDATES:
+            assert not settled[i], (i, FILTERS[i % len(FILTERS)])
+    assert settled_count >= (x.shape[0] if vocab <= sampling.CANDIDATES else 12)  # the fast path is taken
+    zeros = filtered_logits(jnp.asarray([[1.0, -0.0, 0.0, -1.0]]), jnp.ones(1), jnp.asarray([2]), jnp.ones(1))
+    assert np.isfinite(np.asarray(zeros)[0]).tolist() == [True, True, True, False]  # -0.0 ties 0.0
+
+
+def test_draws_over_whole_rows_follow_the_filtered_softmax():
+    """Rows the candidates cannot settle (temperature alone over 3000 tokens; a nucleus wider than 256 tokens; top-k
+    of 400) are drawn over the whole row in blocks of 1024: the draws follow the tempered softmax across block edges
+    and never leave what the filters keep."""
+    vocab, n = 3000, 4000
+    logits = np.full(vocab, -40.0, np.float32)
+    hot = [3, 1023, 1024, 2047, 2999]
+    logits[hot] = [2.0, 1.0, 0.5, 0.0, -0.5]
+    params = [Sampling(temperature=0.8, seed=3)] * n
+    drawn = np.asarray(sample(jnp.asarray(logits[None]), [0] * n, params, list(range(n))))[:n]
+    freq = np.array([np.mean(drawn == t) for t in hot])
+    expected = np.exp(logits[hot] / 0.8) / np.exp(logits[hot] / 0.8).sum()
+    assert set(drawn.tolist()) <= set(hot) and np.abs(freq - expected).max() < 0.025, (freq, expected)
+    flat = np.random.default_rng(1).standard_normal((1, vocab)).astype(np.float32) * 0.1
+    for param in (Sampling(temperature=1.0, top_p=0.5, seed=4), Sampling(temperature=1.0, top_k=400, seed=5)):
+        kept = _kept_by_sorting(flat[0], param.top_k, param.top_p)
+        assert len(kept) > sampling.CANDIDATES
+        drawn = np.asarray(sample(jnp.asarray(flat), [0] * 512, [param] * 512, list(range(512))))[:512]
+        assert set(drawn.tolist()) <= kept and len(set(drawn.tolist())) > 200  # many distinct tokens, all kept
 
 
 @pytest.mark.parametrize("kwargs, message", [({"temperature": -1.0}, "temperature"), ({"top_k": -2}, "top_k"),

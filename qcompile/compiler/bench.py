@@ -29,6 +29,7 @@ from qcompile.ir.abi import CacheConfig
 from qcompile.ir.lowering import host_target
 from qcompile.passes.registry import PASSES
 from qcompile.runtime.memory import reset_peak
+from qcompile.runtime.sampling import GREEDY, Sampling
 
 COMPARE_CHOICES = ("transformers",)
 
@@ -55,6 +56,19 @@ class BenchOptions:
     request_rate: float | None = None  # requests/s arriving (Poisson) through the scheduler; None: waves
     mesh: object = None  # ir.mesh.Mesh: lay the builds out on it (gqa-sharding); None: one device
     url: str | None = None  # measure the server there (compiler/bench_http.py) instead of a build in this process
+    sampling: Sampling = GREEDY  # temperature / top-k / top-p of every request; request i draws with seed + i
+
+
+def sampling_note(sampling: Sampling) -> str:
+    if sampling.greedy:
+        return "greedy"
+    return (f"sampled: temperature {sampling.temperature:g}, top-k {sampling.top_k or 'off'}, top-p "
+            f"{sampling.top_p:g}, request i seeded {sampling.seed} + i")
+
+
+def _sampling_json(sampling: Sampling) -> dict:
+    return {"temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p,
+            "seed": sampling.seed}
 
 
 def ablation_specs(names: list[str]) -> list[str]:
@@ -152,12 +166,14 @@ def run_bench(opts: BenchOptions, emit=print) -> dict:
     emit(f"machine: {ceilings['backend']}, {ceilings['threads']} threads; copy {ceilings['copy_bytes_per_s'] / 1e9:.1f} "
          f"GB/s, read {ceilings['read_bytes_per_s'] / 1e9:.1f} GB/s; matmul f32 {ceilings['matmul_flops_per_s']['f32'] / 1e9:.0f} GFLOP/s, bf16 "
          f"{ceilings['matmul_flops_per_s']['bf16'] / 1e9:.0f} GFLOP/s")
-    emit(f"workload: {shape_note}; concurrency {', '.join(map(str, opts.concurrency))}; seed {opts.seed}")
+    emit(f"workload: {shape_note}; concurrency {', '.join(map(str, opts.concurrency))}; seed {opts.seed}; "
+         f"{sampling_note(opts.sampling)}")
     runs: list[dict] = []
     report = {
         "schema_version": SCHEMA_VERSION, "qcompile_version": qcompile.__version__, "command": sys.argv[1:],
         "source": str(opts.source), "workload": opts.workload, "shape": shape_note, "input_len": input_len,
-        "output_len": output_len, "request_rate": opts.request_rate, "dtype": dtype, "lowering": target,
+        "output_len": output_len, "request_rate": opts.request_rate, "sampling": _sampling_json(opts.sampling),
+        "dtype": dtype, "lowering": target,
         "machine": ceilings,
         "setup_seconds": round(setup_seconds, 3),
         "builds": [{"label": b.label, "passes": b.passes, "check": b.check} for b in builds], "runs": runs}
@@ -180,10 +196,10 @@ def run_bench(opts: BenchOptions, emit=print) -> dict:
                 roofline = Roofline(build.graph, engine.sizes, ceilings, dtype)
                 if opts.request_rate is not None:
                     m = bench_engine_rate(engine, "qcompile", build.label, prompts, output_len, concurrency,
-                                          opts.request_rate, opts.seed, lambda: None)
+                                          opts.request_rate, opts.seed, lambda: None, opts.sampling)
                 else:
                     m = bench_engine(engine, "qcompile", build.label, prompts, output_len, concurrency, roofline,
-                                     build.graph, target, lambda: None)
+                                     build.graph, target, lambda: None, opts.sampling)
                 experts = experts or m.experts_touched
                 runs.append({**m.to_json(), "memory": engine.memory(build.graph)})
                 _progress(runs[-1])
@@ -195,7 +211,7 @@ def run_bench(opts: BenchOptions, emit=print) -> dict:
                 roofline = Roofline(builds[0].graph, cache.sizes(int(builds[0].graph.meta["page_size"])), ceilings,
                                     dtype)
                 m = bench_transformers(_hf_dir(ckpt), dtype, prompts, output_len, concurrency, roofline, experts,
-                                       lambda: None, model=hf_model)
+                                       lambda: None, model=hf_model, sampling=opts.sampling)
                 runs.append(m.to_json())
                 _progress(runs[-1])
 
@@ -227,16 +243,18 @@ def _bench_server(opts: BenchOptions, emit, input_len: int, output_len: int, sha
         raise UsageError(f"{', '.join(given)} do not apply to --url: the server's build is fixed (bench it "
                          "in-process to compare builds)")
     emit(f"server: {opts.url}")
-    emit(f"workload: {shape_note}; concurrency {', '.join(map(str, opts.concurrency))}; seed {opts.seed}")
+    emit(f"workload: {shape_note}; concurrency {', '.join(map(str, opts.concurrency))}; seed {opts.seed}; "
+         f"{sampling_note(opts.sampling)}")
     runs: list[dict] = []
     report = {"schema_version": SCHEMA_VERSION, "qcompile_version": qcompile.__version__, "command": sys.argv[1:],
               "source": opts.url, "workload": opts.workload, "shape": shape_note, "input_len": input_len,
-              "output_len": output_len, "request_rate": opts.request_rate, "runs": runs}
+              "output_len": output_len, "request_rate": opts.request_rate, "sampling": _sampling_json(opts.sampling),
+              "runs": runs}
 
     def measure() -> None:
         for concurrency in opts.concurrency:
             runs.append(bench_url(opts.url, input_len, output_len, concurrency, opts.num_prompts or concurrency,
-                                  opts.request_rate, opts.seed))
+                                  opts.request_rate, opts.seed, opts.sampling))
             _progress(runs[-1])
 
     return _reported(report, opts, emit, measure)

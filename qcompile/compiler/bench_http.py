@@ -16,8 +16,9 @@ import asyncio
 import json
 import time
 
-from qcompile.compiler.measure import Measurement, arrival_times, log, make_prompts
+from qcompile.compiler.measure import Measurement, arrival_times, log, make_prompts, request_sampling
 from qcompile.errors import UsageError
+from qcompile.runtime.sampling import GREEDY, Sampling
 
 
 def _client():
@@ -39,9 +40,10 @@ def server_model(url: str) -> dict:
         raise UsageError(f"--url {url}: no OpenAI-compatible server answers GET /v1/models there ({err})") from None
 
 
-async def _one(client, prompt: list[int], output_len: int, model: str) -> list[float]:
+async def _one(client, prompt: list[int], output_len: int, model: str, sampling: Sampling) -> list[float]:
     """Stream one request; the arrival time of each token's event."""
-    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0, "ignore_eos": True,
+    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": sampling.temperature,
+            "top_k": sampling.top_k, "top_p": sampling.top_p, "seed": sampling.seed, "ignore_eos": True,
             "stream": True}
     times: list[float] = []
     async with client.stream("POST", "/v1/completions", json=body) as response:
@@ -64,29 +66,29 @@ async def _one(client, prompt: list[int], output_len: int, model: str) -> list[f
 
 
 async def _run(url: str, model: str, prompts: list[list[int]], output_len: int, concurrency: int,
-               arrivals: list[float], m: Measurement) -> None:
+               arrivals: list[float], m: Measurement, sampling: Sampling) -> None:
     httpx = _client()
     gate = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
     async with httpx.AsyncClient(base_url=url.rstrip("/"), timeout=None, limits=limits) as client:
         start = time.perf_counter()
 
-        async def request(prompt: list[int], arrival: float) -> None:
+        async def request(index: int, prompt: list[int], arrival: float) -> None:
             await asyncio.sleep(max(0.0, start + arrival - time.perf_counter()))
             arrived = time.perf_counter()
             async with gate:
-                times = await _one(client, prompt, output_len, model)
+                times = await _one(client, prompt, output_len, model, request_sampling(sampling, index))
             if times:
                 m.request(times[0] - arrived, times, arrived)
 
         try:
-            await asyncio.gather(*(request(p, a) for p, a in zip(prompts, arrivals)))
+            await asyncio.gather(*(request(i, p, a) for i, (p, a) in enumerate(zip(prompts, arrivals))))
         finally:
             m.duration = time.perf_counter() - start
 
 
 def bench_url(url: str, input_len: int, output_len: int, concurrency: int, num: int, rate: float | None,
-              seed: int) -> dict:
+              seed: int, sampling: Sampling = GREEDY) -> dict:
     """One run at one concurrency against the server at `url`: the in-process bench's run record."""
     entry = server_model(url)
     vocab, context = entry.get("vocab_size"), entry.get("max_model_len")
@@ -99,7 +101,7 @@ def bench_url(url: str, input_len: int, output_len: int, concurrency: int, num: 
     m = Measurement("qcompile-http", entry["id"], concurrency, input_len, output_len)
     log(f"{url}: {num} requests at concurrency {concurrency}")
     try:
-        asyncio.run(_run(url, entry["id"], prompts, output_len, concurrency, arrivals, m))
+        asyncio.run(_run(url, entry["id"], prompts, output_len, concurrency, arrivals, m, sampling))
     except KeyboardInterrupt:
         m.complete = False
         raise

@@ -2,7 +2,8 @@
 
 What it measures (design.md §7, metric names as vLLM's benchmark prints them): for each concurrency c, M prompts of
 fixed seed are served in waves of c — every wave prefilled together (chunked at `max_step_tokens`), then decoded in
-lock-step, greedy, for exactly `output_len` tokens (EOS ignored, as serving benchmarks do). Per request: TTFT (wave
+lock-step, greedy (or drawn with `--temperature/--top-k/--top-p`, request i with seed + i, on both engines), for
+exactly `output_len` tokens (EOS ignored, as serving benchmarks do). Per request: TTFT (wave
 start → first token), ITL (gaps between its tokens), TPOT ((latency − TTFT) / (tokens − 1)), end-to-end latency; per
 run: request throughput, output and total tok/s, and prefill tok/s and decode tok/s measured apart (time inside
 prefill steps and inside decode steps). Compile and warm-up (a full wave of the same shapes, untimed) are reported
@@ -38,6 +39,7 @@ from qcompile.ir.graph import Graph
 from qcompile.ir.lowering import is_sharded, lower
 from qcompile.ir.ops.expert_parallel import DISPATCH_OPS
 from qcompile.ir.ops.moe import RouterTopK
+from qcompile.runtime.sampling import GREEDY, Sampling
 
 #: The field's workload shapes at full scale (input, output tokens).
 WORKLOADS = {"prefill-heavy": (8192, 1024), "decode-heavy": (1024, 8192)}
@@ -211,20 +213,28 @@ def probe_experts(graph: Graph, target: str, params, caches, batch) -> float | N
     return float(np.mean([np.unique(np.asarray(ids)[:valid]).size for ids in out.values()]))
 
 
+def request_sampling(sampling: Sampling, index: int) -> Sampling:
+    """What request `index` of a run draws with: `sampling` with seed + index (as `qcompile run` does)."""
+    return sampling if sampling.greedy else attrs.evolve(sampling, seed=(sampling.seed + index) % 2**32)
+
+
 def bench_engine(engine, label: str, passes: str, prompts: list[list[int]], output_len: int, concurrency: int,
-                 roofline: Roofline | None, graph: Graph | None, target: str, stop) -> Measurement:
+                 roofline: Roofline | None, graph: Graph | None, target: str, stop,
+                 sampling: Sampling = GREEDY) -> Measurement:
     """Serve `prompts` in waves of `concurrency` on `engine`; the first wave of the same shapes is a warm-up."""
     input_len = len(prompts[0])
     m = Measurement(label, passes, concurrency, input_len, output_len)
     probes: dict[str, float | None] = {"prefill": None, "decode": None}
     warm_started = time.perf_counter()
-    _serve_wave(engine, prompts[:concurrency], min(output_len, 3), None, None, probes, graph, target, stop)
+    _serve_wave(engine, prompts[:concurrency], min(output_len, 3), None, None, probes, graph, target, stop,
+                [request_sampling(sampling, i) for i in range(concurrency)])
     m.warmup_seconds = time.perf_counter() - warm_started
     started = time.perf_counter()
     try:
         for first in range(0, len(prompts), concurrency):
-            _serve_wave(engine, prompts[first:first + concurrency], output_len, m, roofline, probes, graph, target,
-                        stop)
+            wave = range(first, min(first + concurrency, len(prompts)))
+            _serve_wave(engine, [prompts[i] for i in wave], output_len, m, roofline, probes, graph, target, stop,
+                        [request_sampling(sampling, i) for i in wave])
     except KeyboardInterrupt:
         m.complete = False
         raise
@@ -245,7 +255,7 @@ def arrival_times(num: int, rate: float, seed: int) -> list[float]:
 
 
 def bench_engine_rate(engine, label: str, passes: str, prompts: list[list[int]], output_len: int, concurrency: int,
-                      rate: float, seed: int, stop) -> Measurement:
+                      rate: float, seed: int, stop, sampling: Sampling = GREEDY) -> Measurement:
     """Serve `prompts` as requests arriving at `rate` per second (Poisson, seeded) through the continuous-batching
     scheduler (runtime/scheduler.py): at most `concurrency` run at once, the others wait; each request's TTFT runs
     from its arrival. Every token bucket is compiled first (untimed), so no compile lands inside the run. Steps mix
@@ -254,10 +264,11 @@ def bench_engine_rate(engine, label: str, passes: str, prompts: list[list[int]],
 
     m = Measurement(label, passes, concurrency, len(prompts[0]), output_len)
     warm_started = time.perf_counter()
-    engine.compile_all_buckets()
+    engine.compile_all_buckets(sampling=not sampling.greedy)
     m.warmup_seconds = time.perf_counter() - warm_started
     arrivals = arrival_times(len(prompts), rate, seed)
-    requests = [Request(list(p), output_len, id=i) for i, p in enumerate(prompts)]
+    requests = [Request(list(p), output_len, id=i, sampling=request_sampling(sampling, i))
+                for i, p in enumerate(prompts)]
     token_times: dict[int, list[float]] = {i: [] for i in range(len(requests))}
     scheduler = Scheduler(engine)
     start = time.perf_counter()
@@ -287,13 +298,15 @@ def bench_engine_rate(engine, label: str, passes: str, prompts: list[list[int]],
 
 
 def _timed_step(engine, work, phase: str, m: Measurement | None, roofline: Roofline | None, probes: dict,
-                graph: Graph | None, target: str) -> tuple[list[int], float]:
+                graph: Graph | None, target: str, sampling: list[Sampling] | None = None,
+                counters: list[int] | None = None) -> tuple[list[int], float]:
     """One engine step of `phase` (prefill | decode), timed and added to `m` with its roofline time; the first step
-    of each phase also probes the experts its batch routes to. Returns the next tokens and the step's end time."""
+    of each phase also probes the experts its batch routes to. Returns the next tokens (greedy, or drawn with
+    sampling[i] as the counters[i]-th token of its request) and the step's end time."""
     new = [len(tokens) for _, tokens in work]
     contexts = [seq.length + n for (seq, _), n in zip(work, new)]
     started = time.perf_counter()
-    nexts = engine.step_tokens(work)
+    nexts = engine.step_tokens(work, sampling, counters)
     ended = time.perf_counter()
     if graph is not None and probes[phase] is None:
         probes[phase] = probe_experts(graph, target, engine.params, engine.caches, engine.last_batch)
@@ -307,8 +320,9 @@ def _timed_step(engine, work, phase: str, m: Measurement | None, roofline: Roofl
 
 
 def _serve_wave(engine, prompts, output_len, m: Measurement | None, roofline: Roofline | None, probes: dict,
-                graph: Graph | None, target: str, stop) -> None:
+                graph: Graph | None, target: str, stop, sampling: list[Sampling]) -> None:
     seqs = [engine.add_sequence() for _ in prompts]
+    greedy = all(p.greedy for p in sampling)
     budget = engine.cache_cfg.max_step_tokens
     try:
         start = time.perf_counter()
@@ -325,16 +339,18 @@ def _serve_wave(engine, prompts, output_len, m: Measurement | None, roofline: Ro
                     work.append((seqs[i], take))
                     owners.append(i)
                     left -= len(take)
-            nexts, t1 = _timed_step(engine, work, "prefill", m, roofline, probes, graph, target)
+            nexts, t1 = _timed_step(engine, work, "prefill", m, roofline, probes, graph, target,
+                                    None if greedy else [sampling[i] for i in owners], [0] * len(owners))
             for i, tok in zip(owners, nexts):
                 if not pending[i]:
                     last[i] = tok
                     token_times[i].append(t1)
                     ttft[i] = t1 - start
             stop()
-        for _ in range(output_len - 1):
+        for made in range(1, output_len):
             work = [(s, [last[i]]) for i, s in enumerate(seqs)]
-            nexts, t1 = _timed_step(engine, work, "decode", m, roofline, probes, graph, target)
+            nexts, t1 = _timed_step(engine, work, "decode", m, roofline, probes, graph, target,
+                                    None if greedy else sampling, [made] * len(seqs))
             for i, tok in enumerate(nexts):
                 last[i] = tok
                 token_times[i].append(t1)
@@ -362,10 +378,14 @@ def transformers_available() -> str | None:
 
 
 def bench_transformers(checkpoint_dir: Path, dtype: str, prompts: list[list[int]], output_len: int, concurrency: int,
-                       roofline: Roofline | None, experts: dict, stop, model=None) -> Measurement:
-    """Transformers eager, batched waves of `concurrency` equal-length prompts, greedy, with its own KV cache."""
+                       roofline: Roofline | None, experts: dict, stop, model=None,
+                       sampling: Sampling = GREEDY) -> Measurement:
+    """Transformers eager, batched waves of `concurrency` equal-length prompts, greedy — or sampled as
+    `generate(do_sample=True)` samples: its temperature, top-k and top-p logits warpers, then torch.multinomial —
+    with its own KV cache."""
     import torch
 
+    choose = _transformers_chooser(sampling)
     torch.set_num_threads(threads())
     if model is None:
         model = load_transformers(checkpoint_dir, dtype)
@@ -377,7 +397,7 @@ def bench_transformers(checkpoint_dir: Path, dtype: str, prompts: list[list[int]
         ids = torch.tensor(batch_prompts, dtype=torch.long)
         start = time.perf_counter()
         out = model(input_ids=ids, use_cache=True)
-        nxt = out.logits[:, -1].argmax(-1)
+        nxt = choose(ids, out.logits[:, -1])
         t1 = time.perf_counter()
         times = [[t1] for _ in batch_prompts]
         if record:
@@ -392,7 +412,7 @@ def bench_transformers(checkpoint_dir: Path, dtype: str, prompts: list[list[int]
             t0 = time.perf_counter()
             out = model(input_ids=nxt[:, None], cache=cache, use_cache=True)
             cache = out.cache if hasattr(out, "cache") else out.past_key_values
-            nxt = out.logits[:, -1].argmax(-1)
+            nxt = choose(ids, out.logits[:, -1])
             t1 = time.perf_counter()
             for t in times:
                 t.append(t1)
@@ -421,6 +441,28 @@ def bench_transformers(checkpoint_dir: Path, dtype: str, prompts: list[list[int]
     finally:
         m.duration = time.perf_counter() - started
     return m
+
+
+def _transformers_chooser(sampling: Sampling):
+    """next_token(input_ids, last_logits [n, V]) for transformers' waves: the argmax, or transformers' own sampling
+    warpers (as `generate(do_sample=True)` applies them) and a multinomial draw from a generator seeded once."""
+    import torch
+
+    if sampling.greedy:
+        return lambda ids, logits: logits.argmax(-1)
+    from transformers.generation.logits_process import (LogitsProcessorList, TemperatureLogitsWarper,
+                                                        TopKLogitsWarper, TopPLogitsWarper)
+
+    warpers = LogitsProcessorList([TemperatureLogitsWarper(sampling.temperature)]
+                                  + ([TopKLogitsWarper(sampling.top_k)] if sampling.top_k > 0 else [])
+                                  + ([TopPLogitsWarper(sampling.top_p)] if sampling.top_p < 1 else []))
+    generator = torch.Generator().manual_seed(sampling.seed)
+
+    def draw(ids, logits):
+        probs = torch.softmax(warpers(ids, logits.float()), dim=-1)
+        return torch.multinomial(probs, 1, generator=generator)[:, 0]
+
+    return draw
 
 
 def load_transformers(checkpoint_dir: Path, dtype: str):
