@@ -20,6 +20,8 @@ from qcompile.frontend.tiny import write_tiny
 from qcompile.ir.cost import StepShape, step_cost
 from qcompile.ir.importer import build_graph
 from qcompile.ir.ops.moe import GroupedMatmul
+from qcompile.runtime.engine import Engine
+from qcompile.runtime.sampling import Sampling
 
 RUN_KEYS = {"engine", "passes", "concurrency", "input_len", "output_len", "prefill_tok_s", "decode_tok_s", "ttft_ms",
             "tpot_ms", "itl_ms", "roofline_prefill", "roofline_decode", "request_throughput", "output_tok_s",
@@ -35,18 +37,36 @@ def tiny(tmp_path_factory):
     return write_tiny(tmp_path_factory.mktemp("bench") / "ckpt", family="qwen3_5_moe", seed=3)
 
 
+SAMPLING = Sampling(temperature=0.9, top_k=5, top_p=0.8, seed=7)
+
+
+def _recording_steps(patch, seen: list) -> None:
+    """Record (seeds, counters) of every engine step (seeds None when greedy)."""
+    real = Engine.step_tokens
+
+    def recording(self, work, sampling=None, counters=None):
+        seen.append((tuple(p.seed for p in sampling) if sampling else None, tuple(counters or ())))
+        return real(self, work, sampling, counters)
+
+    patch.setattr(Engine, "step_tokens", recording)
+
+
 @pytest.fixture(scope="module")
 def report(tiny, tmp_path_factory):
+    """One sampled run at concurrency 1 and 2, two requests each, beside transformers; qcompile's steps recorded."""
     out = tmp_path_factory.mktemp("bench_out")
-    opts = BenchOptions(source=tiny, input_len=12, output_len=4, concurrency=(1, 2), num_prompts=None,
-                        compare=("transformers",), json_path=out / "b.json")
+    opts = BenchOptions(source=tiny, input_len=12, output_len=4, concurrency=(1, 2), num_prompts=2,
+                        compare=("transformers",), json_path=out / "b.json", sampling=SAMPLING)
     lines: list[str] = []
-    result = run_bench(opts, emit=lines.append)
-    return result, lines, out / "b.json"
+    seen: list[tuple] = []
+    with pytest.MonkeyPatch.context() as patch:
+        _recording_steps(patch, seen)
+        result = run_bench(opts, emit=lines.append)
+    return result, lines, out / "b.json", seen
 
 
 def test_report_schema_and_counts(report):
-    result, lines, path = report
+    result, lines, path, _ = report
     assert json.loads(path.read_text()) == json.loads(json.dumps(result, default=str))
     assert result["input_len"] == 12 and result["output_len"] == 4
     machine = result["machine"]
@@ -57,13 +77,13 @@ def test_report_schema_and_counts(report):
     for run in result["runs"]:
         assert RUN_KEYS <= set(run)
         c = run["concurrency"]
-        assert run["requests"] == c
+        assert run["requests"] == 2
         for key in ("ttft_ms", "tpot_ms", "itl_ms"):
             assert set(run[key]) == {"mean", "median", "p99"} and run[key]["mean"] > 0
         assert run["prefill_tok_s"] > 0 and run["decode_tok_s"] > 0
         # decode tok/s is tokens over the time spent in decode steps: (output_len - 1) tokens per request
         seconds = run["measured_seconds"]["decode"]
-        assert math.isclose(run["decode_tok_s"] * seconds, c * 3, rel_tol=1e-9)
+        assert math.isclose(run["decode_tok_s"] * seconds, 2 * 3, rel_tol=1e-9)
         assert 0 < run["roofline_decode"] and 0 < run["roofline_prefill"]
         if run["engine"] == "qcompile":  # where the memory went (tests/test_memory.py checks the figures)
             memory = run["memory"]
@@ -77,7 +97,7 @@ def test_report_schema_and_counts(report):
 
 
 def test_experts_touched_are_probed(report):
-    result, _, _ = report
+    result, _, _, _ = report
     run = result["runs"][0]
     # tiny preset: 8 experts, top-2; one decode token routes to exactly 2 experts per layer
     assert run["experts_touched"]["decode"] == 2.0
@@ -198,39 +218,26 @@ def test_builds_whose_pipelines_make_the_same_graph_are_measured_once(tiny):
         assert f"build {spec}: the same graph as build {twin} (gqa-sharding had no work here); measured once" in lines
 
 
-def test_sampled_runs_draw_each_request_with_its_own_seed_on_both_engines(tiny, monkeypatch):
+def test_sampled_runs_draw_each_request_with_its_own_seed_on_both_engines(report, tiny, monkeypatch):
     """--temperature/--top-k/--top-p: qcompile's steps draw request i with seed + i (waves and arrivals alike), the
-    report says how it sampled, and transformers draws through its own warpers (top-k 2 never leaves the best two,
-    top-k 1 is the argmax; a greedy run stays the argmax)."""
+    n-th generated token as the n-th draw; the report says how it sampled; transformers draws through its own
+    warpers (top-k 2 never leaves the best two, top-k 1 is the argmax; a greedy run stays the argmax)."""
     import torch
 
     from qcompile.compiler import measure
-    from qcompile.runtime.engine import Engine
-    from qcompile.runtime.sampling import Sampling
 
-    seen: list[tuple] = []
-    real = Engine.step_tokens
-
-    def recording(self, work, sampling=None, counters=None):
-        seen.append((tuple(p.seed for p in sampling) if sampling else None, tuple(counters or ())))
-        return real(self, work, sampling, counters)
-
-    monkeypatch.setattr(Engine, "step_tokens", recording)
-    sampling = Sampling(temperature=0.9, top_k=5, top_p=0.8, seed=7)
-    lines: list[str] = []
-    result = run_bench(BenchOptions(source=tiny, input_len=6, output_len=4, concurrency=(2,), num_prompts=4,
-                                    verify="none", sampling=sampling), emit=lines.append)
+    result, lines, _, seen = report
     assert result["sampling"] == {"temperature": 0.9, "top_k": 5, "top_p": 0.8, "seed": 7}
     assert any("sampled: temperature 0.9, top-k 5, top-p 0.8" in line for line in lines)
-    assert result["runs"][0]["complete"] and result["runs"][0]["requests"] == 4
-    decode = [s for s in seen if len(s[0] or ()) == 2 and s[1][0] > 0]
-    assert decode and {s[0] for s in decode} == {(7, 8), (9, 10)}  # two waves of two: seeds 7 + i
-    assert {s[1] for s in decode} == {(1, 1), (2, 2), (3, 3)}  # the n-th generated token is drawn as the n-th
+    decode = [step for step in seen if step[1] and step[1][0] > 0]
+    assert {step[0] for step in decode} == {(7,), (8,), (7, 8)}  # c=1: two waves of one; c=2: one wave of two
+    assert {step[1] for step in decode} == {(1,), (2,), (3,), (1, 1), (2, 2), (3, 3)}
     seen.clear()
+    _recording_steps(monkeypatch, seen)
     monkeypatch.setattr(Engine, "compile_all_buckets", lambda self, sampling=False: None)  # (time) compile on use
     run_bench(BenchOptions(source=tiny, input_len=6, output_len=3, concurrency=(2,), num_prompts=3, request_rate=100.0,
-                           verify="none", sampling=sampling), emit=lambda line: None)
-    assert {seed for s in seen if s[0] for seed in s[0]} == {7, 8, 9}
+                           verify="none", sampling=SAMPLING), emit=lambda line: None)
+    assert {seed for step in seen if step[0] for seed in step[0]} == {7, 8, 9}
 
     logits = torch.tensor([[3.0, 2.0, 1.0, 0.0]] * 400)
     drawn = measure._transformers_chooser(Sampling(temperature=1.0, top_k=2, seed=1))(None, logits)

@@ -123,6 +123,17 @@ def test_draws_over_whole_rows_follow_the_filtered_softmax():
         assert set(drawn.tolist()) <= kept and len(set(drawn.tolist())) > 200  # many distinct tokens, all kept
 
 
+def test_one_sampler_program_per_logits_shape():
+    """Items are padded to the logits' rows, so steps with 1, 3 or 8 items compile the sampler once (a server warms
+    one program per bucket, not one per item count)."""
+    logits = jnp.asarray(np.random.default_rng(2).standard_normal((8, 40)).astype(np.float32))
+    before = sampling._sample._cache_size()
+    for count in (1, 3, 8):
+        drawn = sample(logits, list(range(count)), [Sampling(temperature=0.5, seed=count)] * count, [0] * count)
+        assert drawn.shape == (8,)
+    assert sampling._sample._cache_size() == before + 1
+
+
 @pytest.mark.parametrize("kwargs, message", [({"temperature": -1.0}, "temperature"), ({"top_k": -2}, "top_k"),
                                              ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"),
                                              ({"seed": -1}, "seed"), ({"temperature": float("nan")}, "temperature")])

@@ -185,11 +185,11 @@ def _sample(logits, rows, temperature, top_k, top_p, seeds, counters):
 
 def sample(logits, rows: list[int], params: list[Sampling], counters: list[int]):
     """The next token of each item (on the device): row rows[i] of logits [R, V], drawn with params[i] as the
-    counters[i]-th token of its request. The result has a power-of-two length ≥ len(rows) (its first len(rows)
-    entries are the tokens): items are padded with greedy copies of the first so that only one program per
-    (R, padded count) is ever compiled, not one per count (`sampler_shapes` lists them, for a warm-up)."""
-    padded = 1 << max(0, (len(rows) - 1).bit_length())
-    fill = padded - len(rows)
+    counters[i]-th token of its request. The result has R entries (or the power of two ≥ len(rows) if more; its
+    first len(rows) are the tokens): items are padded to R with greedy copies of the first, so one program per logits shape is ever compiled (a decode step's R
+    is already the power of two its items were bucketed to; the padding rows of a prefill step cost ~0.1 ms each)."""
+    fill = max(logits.shape[0], 1 << max(0, (len(rows) - 1).bit_length())) - len(rows)  # more items than rows:
+    # a power of two
     params = list(params) + [GREEDY] * fill
     return _sample(logits, jnp.asarray(list(rows) + [rows[0]] * fill, jnp.int32),
                    jnp.asarray([p.temperature for p in params], jnp.float32),
@@ -200,9 +200,5 @@ def sample(logits, rows: list[int], params: list[Sampling], counters: list[int])
 
 
 def warm_sampler(logits_shape: tuple[int, int], dtype) -> None:
-    """Compile the sampler for logits of `logits_shape` and every padded item count up to its rows."""
-    logits = jnp.zeros(logits_shape, dtype)
-    count = 1
-    while count <= logits_shape[0]:
-        sample(logits, [0] * count, [GREEDY] * count, [0] * count).block_until_ready()
-        count *= 2
+    """Compile the sampler for logits of `logits_shape` (the only program `sample` runs for that shape)."""
+    sample(jnp.zeros(logits_shape, dtype), [0], [GREEDY], [0]).block_until_ready()
