@@ -198,6 +198,16 @@ def test_the_engine_and_the_scheduler_on_data_parallel_ranks_give_the_single_dev
     assert [r.tokens for r in requests] == alone + alone
     assert all(r.finish_reason == "length" for r in requests)
     assert sum(r.preemptions for r in requests) > 0 and len(tight.free_slots) == 16 and len(tight.free_pages) == 16
+    # sampled requests on the ranks draw what they draw on one device (the sampler runs on the ranks' logits)
+    from qcompile.runtime.sampling import Sampling
+
+    def sampled(on):
+        requests = [Request(p[:3], 5, id=i, sampling=Sampling(temperature=0.9, top_p=0.9, seed=i))
+                    for i, p in enumerate(prompts)]
+        list(Scheduler(on).stream(requests))
+        return [r.tokens for r in requests]
+
+    assert sampled(engine) == sampled(Engine(folded, prepared, cache))
 
 
 def test_rank_local_packing():

@@ -115,29 +115,38 @@ def _candidates(x, top_k, top_p):
     Unsettled: temperature alone (every token may be drawn), k > K, or a nucleus wider than K tokens."""
     rows, vocab = x.shape
     count = min(vocab, CANDIDATES)
-    # the barrier keeps XLA from folding the slices below into the top_k, which turns it back into a sort of the
-    # whole row (1.8 s instead of 18 ms at [32, 248320] on CPU: the TopK rewrite wants slices from 0 only)
-    values, ids = lax.optimization_barrier(lax.top_k(x, count))
+    # No slice of `values` or `ids` below except from 0 (max and min instead of the first and last, a triangular
+    # matmul instead of cumsum, whose CPU lowering slices at odd offsets): XLA CPU turns a top_k with such a user
+    # back into a sort of the whole row (1.8 s instead of 18 ms at [32, 248320]; tests/test_sampling.py checks).
+    values, ids = lax.top_k(x, count)
+    first, below = jnp.max(values, -1), jnp.min(values, -1)  # every token past the candidates is <= below
     complete = count == vocab
     k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
     kth = jnp.take_along_axis(values, jnp.clip(k, 1, count)[:, None] - 1, axis=-1)[:, 0]
     by_k = (top_k > 0) & (k <= count)
     keep = ~by_k[:, None] | (values >= kth[:, None])
-    weight = jnp.where(keep, jnp.exp(values - values[:, :1]), 0.0)
+    weight = jnp.where(keep, jnp.exp(values - first[:, None]), 0.0)
     kept_mass = jnp.sum(weight, -1)
     # the nucleus is a share of what top-k kept: the candidates' kept mass when top-k settled, else the whole row's
     row_mass = lax.cond(jnp.any(~by_k & (top_p < 1)),
-                        lambda: jnp.sum(jnp.exp(x - values[:, :1]), -1), lambda: kept_mass)
+                        lambda: jnp.sum(jnp.exp(x - first[:, None]), -1), lambda: kept_mass)
     total = jnp.where(by_k | complete, kept_mass, row_mass)
-    before = jnp.cumsum(weight, -1) - weight  # the mass of the more likely candidates
+    before = _running_sum(weight) - weight  # the mass of the more likely candidates
     needed = jnp.sum(keep & (before < (top_p * total)[:, None]), -1)
     last = jnp.take_along_axis(values, jnp.maximum(needed - 1, 0)[:, None], axis=-1)[:, 0]
     nucleus = top_p < 1
     keep = keep & (~nucleus[:, None] | (values >= last[:, None]))
-    below = values[:, -1]  # every token past the candidates is <= this
     settled = (complete | (by_k & (below < kth))
                | (nucleus & (top_k == 0) & (kept_mass >= top_p * total) & (below < last)))
     return values, ids, keep, settled
+
+
+def _running_sum(weight):
+    """Inclusive running sums along the last axis (≤ BLOCK entries) as a matmul with a triangle of ones: no slices
+    (see `_candidates`), in f32 (HIGHEST: a TPU's default f32 matmul would round the weights to bf16)."""
+    length = weight.shape[-1]
+    triangle = jnp.triu(jnp.ones((length, length), jnp.float32))
+    return jnp.matmul(weight, triangle, precision=lax.Precision.HIGHEST)
 
 
 def _draw(weight, u):
@@ -146,8 +155,8 @@ def _draw(weight, u):
     running sum spans more than BLOCK entries (one uniform per row: the Gumbel trick would draw V of them)."""
     rows, length = weight.shape
     if length <= BLOCK:
-        running = jnp.cumsum(weight, -1)
-        index = jnp.sum(running <= jnp.maximum(u * running[:, -1], 0.0)[:, None], -1)
+        running = _running_sum(weight)  # nondecreasing: its max is the total (no slice: see `_candidates`)
+        index = jnp.sum(running <= jnp.maximum(u * jnp.max(running, -1), 0.0)[:, None], -1)
         return jnp.minimum(index, _last_positive(weight))
     blocks = -(-length // BLOCK)
     tiled = jnp.pad(weight, ((0, 0), (0, blocks * BLOCK - length))).reshape(rows, blocks, BLOCK)
@@ -172,7 +181,7 @@ def _sample(logits, rows, temperature, top_k, top_p, seeds, counters):
     top_k, top_p = jnp.where(sampled, top_k, 0), jnp.where(sampled, top_p, 1.0)  # greedy rows filter nothing
     u = jax.vmap(lambda s, c: jax.random.uniform(jax.random.fold_in(jax.random.PRNGKey(s), c)))(seeds, counters)
     values, ids, keep, settled = _candidates(x, top_k, top_p)
-    weight = jnp.where(keep, jnp.exp(values - values[:, :1]), 0.0)
+    weight = jnp.where(keep, jnp.exp(values - jnp.max(values, -1, keepdims=True)), 0.0)
     fast = jnp.take_along_axis(ids, _draw(weight, u)[:, None], axis=-1)[:, 0]
 
     def whole_rows():
