@@ -400,16 +400,18 @@ def run_cmd(checkpoint, prompt_ids, prompt_texts, max_new_tokens, dtype, save_lo
         graph = artifact.graph() if as_json else None
         family, graph_dtype = artifact.config_json["family"], artifact.manifest.get("compute_dtype")
     else:
-        model = load_model(checkpoint, dtype)
-        model.checkpoint.warn_unknown()
-        eos_ids = model.checkpoint.config.eos_token_ids
-        vocab, family, graph_dtype = model.checkpoint.config.vocab_size, model.checkpoint.config.family, model.graph.meta["dtype"]
-        slots = len(prompts)
+        rewrite, slots = None, len(prompts)
         if mesh is not None:  # laid out with gqa-sharding; whole sequence slots per data-parallel rank
             from qcompile.compiler.distribute import lay_out
 
-            model.graph = lay_out(model.graph, mesh, concurrency=len(prompts), max_context=longest + max_new_tokens)
+            def rewrite(graph):  # before the host layout (column panels), as a compiled build is
+                return lay_out(graph, mesh, concurrency=len(prompts), max_context=longest + max_new_tokens)
+
             slots = -(-slots // mesh.size) * mesh.size
+        model = load_model(checkpoint, dtype, rewrite=rewrite)
+        model.checkpoint.warn_unknown()
+        eos_ids = model.checkpoint.config.eos_token_ids
+        vocab, family, graph_dtype = model.checkpoint.config.vocab_size, model.checkpoint.config.family, model.graph.meta["dtype"]
         engine = model.engine(CacheConfig(max_seqs=slots, max_context=longest + max_new_tokens,
                                           max_step_tokens=min(sum(len(ids) for ids in prompts), 256)),
                               memory_budget=memory_budget)

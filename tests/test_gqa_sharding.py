@@ -230,17 +230,20 @@ def test_rank_local_packing():
 
 
 def test_run_on_a_mesh_gives_the_single_device_tokens(tmp_path, capsys):
+    """`run CHECKPOINT --mesh`: data parallel (2x4) and with tensor parallelism (4x2: dp4 x tp2, which regroups the
+    GDN projections' rows — so the graph is laid out before the host's column-panel layout, as a compiled build is;
+    laid out after it, the run failed: "a GDN conv's input is not a projection")."""
     from qcompile.cli import main
 
     path = write_small(tmp_path / "ckpt", "qwen3_next")
     outputs = []
-    for extra in ([], ["--mesh", "2x4"]):
+    for extra in ([], ["--mesh", "2x4"], ["--mesh", "4x2"]):
         with pytest.raises(SystemExit) as done:
             main(["run", str(path), "--prompt-ids", "1,2,3", "--prompt-ids", "4,5,6,7,8", "--max-new-tokens", "5",
                   "--ignore-eos", *extra])
         assert done.value.code == 0
         outputs.append(capsys.readouterr().out)
-    assert outputs[0] == outputs[1] and len(outputs[0].splitlines()) == 2
+    assert outputs[0] == outputs[1] == outputs[2] and len(outputs[0].splitlines()) == 2
 
 
 def test_a_laid_out_artifact_records_its_mesh_and_runs_like_the_single_device_one(tmp_path, capsys):

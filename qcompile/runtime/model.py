@@ -24,13 +24,16 @@ class LoadedModel:
 
 
 def load_model(path, dtype: str | None = None, page_size: int = 16, gdn_mode: str = "auto",
-               progress: bool | None = None, fp8: str = "keep", layout: bool = True) -> LoadedModel:
+               progress: bool | None = None, fp8: str = "keep", layout: bool = True, rewrite=None) -> LoadedModel:
     """The checkpoint's unoptimized graph with its weight preparation folded (prepared weights computed here, one
     tensor at a time) and its device parameters. `fp8`: an FP8 checkpoint's weights kept FP8 or multiplied out
     (ir/importer.py `build_graph`). `layout`: weights in the host target's layout (ir/target_layout.py), as a build
     for this host runs them; False keeps the checkpoint's layout — the graph passes see (the compile pipeline lays
-    weights out after the passes)."""
+    weights out after the passes). `rewrite`: a graph → graph function applied before the weights are prepared and
+    laid out (`run --mesh` lays the graph out on its mesh there: the passes want the checkpoint's layout)."""
     checkpoint = Checkpoint.open(path)
     graph = build_graph(checkpoint, dtype, page_size, gdn_mode, fp8=fp8)
+    if rewrite is not None:
+        graph = rewrite(graph)
     graph = fold_weight_preparation(graph, host_target() if layout else None)
     return LoadedModel(checkpoint, graph, load_params(checkpoint, graph, progress))
