@@ -50,7 +50,7 @@ def cli():
 
     \b
     qcompile [compile] [--passes SPEC] [-o OUT] CHECKPOINT   build, optimize, check and export the step graph
-    qcompile run CHECKPOINT|OUT --prompt-ids 1,2,3           greedy generation (checkpoint or artifact)
+    qcompile run CHECKPOINT|OUT --prompt-ids 1,2,3           generate: greedy, or --temperature (checkpoint or artifact)
     qcompile bench CHECKPOINT|OUT [--compare transformers]    throughput, latency and % of roofline
     qcompile check OUT|CHECKPOINT --prompts FILE             optimized vs unoptimized on your prompts
     qcompile serve CHECKPOINT|OUT [--port 8000]               OpenAI-compatible HTTP server (continuous batching)
