@@ -53,9 +53,9 @@ def _recording_steps(patch, seen: list) -> None:
 
 @pytest.fixture(scope="module")
 def report(tiny, tmp_path_factory):
-    """One sampled run at concurrency 1 and 2, two requests each, beside transformers; qcompile's steps recorded."""
+    """One sampled run at concurrency 1 and 2 (one wave each) beside transformers; qcompile's steps recorded."""
     out = tmp_path_factory.mktemp("bench_out")
-    opts = BenchOptions(source=tiny, input_len=12, output_len=4, concurrency=(1, 2), num_prompts=2,
+    opts = BenchOptions(source=tiny, input_len=12, output_len=4, concurrency=(1, 2), num_prompts=None,
                         compare=("transformers",), json_path=out / "b.json", sampling=SAMPLING)
     lines: list[str] = []
     seen: list[tuple] = []
@@ -77,13 +77,13 @@ def test_report_schema_and_counts(report):
     for run in result["runs"]:
         assert RUN_KEYS <= set(run)
         c = run["concurrency"]
-        assert run["requests"] == 2
+        assert run["requests"] == c
         for key in ("ttft_ms", "tpot_ms", "itl_ms"):
             assert set(run[key]) == {"mean", "median", "p99"} and run[key]["mean"] > 0
         assert run["prefill_tok_s"] > 0 and run["decode_tok_s"] > 0
         # decode tok/s is tokens over the time spent in decode steps: (output_len - 1) tokens per request
         seconds = run["measured_seconds"]["decode"]
-        assert math.isclose(run["decode_tok_s"] * seconds, 2 * 3, rel_tol=1e-9)
+        assert math.isclose(run["decode_tok_s"] * seconds, c * 3, rel_tol=1e-9)
         assert 0 < run["roofline_decode"] and 0 < run["roofline_prefill"]
         if run["engine"] == "qcompile":  # where the memory went (tests/test_memory.py checks the figures)
             memory = run["memory"]
@@ -174,7 +174,7 @@ def test_requests_arriving_at_a_rate_are_served_by_continuous_batching(tiny):
     """--request-rate: 5 requests arriving at 50/s, at most 2 at once, through the scheduler; every request completes
     with output_len tokens, TTFT counts from its arrival, and prefill/decode tok/s are not claimed (mixed steps)."""
     opts = BenchOptions(source=tiny, input_len=6, output_len=5, concurrency=(2,), num_prompts=5, request_rate=50.0,
-                        verify="none")
+                        verify="none", max_step_tokens=16)
     result = run_bench(opts, emit=lambda line: None)
     (run,) = result["runs"]
     assert result["request_rate"] == 50.0
@@ -230,7 +230,7 @@ def test_sampled_runs_draw_each_request_with_its_own_seed_on_both_engines(report
     assert result["sampling"] == {"temperature": 0.9, "top_k": 5, "top_p": 0.8, "seed": 7}
     assert any("sampled: temperature 0.9, top-k 5, top-p 0.8" in line for line in lines)
     decode = [step for step in seen if step[1] and step[1][0] > 0]
-    assert {step[0] for step in decode} == {(7,), (8,), (7, 8)}  # c=1: two waves of one; c=2: one wave of two
+    assert {step[0] for step in decode} == {(7,), (7, 8)}  # c=1: request 0; c=2: requests 0 and 1
     assert {step[1] for step in decode} == {(1,), (2,), (3,), (1, 1), (2, 2), (3, 3)}
     seen.clear()
     _recording_steps(monkeypatch, seen)
