@@ -238,6 +238,10 @@ def test_sampled_runs_draw_each_request_with_its_own_seed_on_both_engines(report
     run_bench(BenchOptions(source=tiny, input_len=6, output_len=3, concurrency=(2,), num_prompts=3, request_rate=100.0,
                            verify="none", sampling=SAMPLING), emit=lambda line: None)
     assert {seed for step in seen if step[0] for seed in step[0]} == {7, 8, 9}
+    seen.clear()  # fewer prompts than the concurrency: the warm-up wave samples as many requests as there are
+    run_bench(BenchOptions(source=tiny, input_len=6, output_len=3, concurrency=(4,), num_prompts=3, verify="none",
+                           sampling=SAMPLING), emit=lambda line: None)
+    assert {step[0] for step in seen if step[1] and step[1][0] > 0} == {(7, 8, 9)}
 
     logits = torch.tensor([[3.0, 2.0, 1.0, 0.0]] * 400)
     drawn = measure._transformers_chooser(Sampling(temperature=1.0, top_k=2, seed=1))(None, logits)

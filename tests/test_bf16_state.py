@@ -242,6 +242,7 @@ def test_the_drift_agreement_counts_near_ties_of_the_reference():
     assert not lost.ok and "93.0%" in lost.reason and "90.0%" in lost.reason
 
 
+@pytest.mark.slow  # 20 s: a whole `--passes all` compile; the jump and noise rules it relies on are unit-tested above
 def test_bf16_state_on_a_bf16_checkpoint(tmp_path):
     """`init-tiny --dtype bf16 --seed 9` failed `--passes all` before the lossy check forgave jumps: bf16-state moves
     one check token's router across a near-tie (its expert set changes at layer 2), so that logits row and its

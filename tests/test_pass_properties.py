@@ -50,7 +50,8 @@ def assert_pass_contract(name, pass_, graph, checker):
         assert not once.changed and once.graph is graph, f"{name} skipped but changed the graph"
         return once
     verify(once.graph)
-    result = checker.check(once.graph, pass_.bound(graph.meta["dtype"]))
+    # as the pass manager compares (passes/manager.py check_pass): a lossy pass's rows may jump (a flipped MoE route)
+    result = checker.check(once.graph, pass_.bound(graph.meta["dtype"]), jumps=pass_.tolerance == "lossy")
     if pass_.tolerance == "lossy" and not result.ok:
         # A lossy pass's error depends on the model: a random config whose layers amplify a bf16 rounding past the
         # bound (seen: Qwen3-Next, Hk 3, Hv 9) must be refused by the pipeline (exit 3; the user opts out), not pass.

@@ -170,11 +170,12 @@ def test_group_visits_cover_each_tile_and_group_overlap_once():
     """Visits (tile, group): every overlap of a row tile with a non-empty group exactly once, in order; a tile
     without routed rows gets exactly one visit; each tile's first visit is flagged; the rest are invalid."""
     rng = np.random.default_rng(8)
+    visits = jax.jit(pl_gmm.group_visits, static_argnums=(1, 2))  # one compile per shape, not one per op and shape
     for _ in range(30):
         n, e, tm = int(rng.integers(1, 90)), int(rng.integers(1, 7)), int(rng.choice([8, 16]))
         gs = rng.integers(-1, 30, e).astype(np.int32)
         (tile, group, first, valid), _ = (tuple(np.asarray(a) for a in part)
-                                          for part in pl_gmm.group_visits(jnp.asarray(gs), n, tm))
+                                          for part in visits(jnp.asarray(gs), n, tm))
         sizes = np.clip(gs, 0, None)
         ends = np.minimum(np.cumsum(sizes), n)
         starts = np.concatenate([[0], ends[:-1]])

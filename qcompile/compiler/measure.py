@@ -227,7 +227,7 @@ def bench_engine(engine, label: str, passes: str, prompts: list[list[int]], outp
     probes: dict[str, float | None] = {"prefill": None, "decode": None}
     warm_started = time.perf_counter()
     _serve_wave(engine, prompts[:concurrency], min(output_len, 3), None, None, probes, graph, target, stop,
-                [request_sampling(sampling, i) for i in range(concurrency)])
+                [request_sampling(sampling, i) for i in range(min(concurrency, len(prompts)))])
     m.warmup_seconds = time.perf_counter() - warm_started
     started = time.perf_counter()
     try:
