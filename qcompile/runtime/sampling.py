@@ -195,8 +195,9 @@ def _sample(logits, rows, temperature, top_k, top_p, seeds, counters):
 def sample(logits, rows: list[int], params: list[Sampling], counters: list[int]):
     """The next token of each item (on the device): row rows[i] of logits [R, V], drawn with params[i] as the
     counters[i]-th token of its request. The result has R entries (or the power of two ≥ len(rows) if more; its
-    first len(rows) are the tokens): items are padded to R with greedy copies of the first, so one program per logits shape is ever compiled (a decode step's R
-    is already the power of two its items were bucketed to; the padding rows of a prefill step cost ~0.1 ms each)."""
+    first len(rows) are the tokens): items are padded to R with greedy copies of the first, so one program per
+    logits shape is ever compiled (a decode step's R is already the power of two its items were bucketed to; a
+    padding row costs about what a sampled one does: 8 rows of 32000 took 2.4 ms, 1 row 0.6 ms, on 2 cores)."""
     fill = max(logits.shape[0], 1 << max(0, (len(rows) - 1).bit_length())) - len(rows)  # more items than rows:
     # a power of two
     params = list(params) + [GREEDY] * fill
