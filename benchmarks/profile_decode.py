@@ -1,7 +1,8 @@
 """Profile decode steps (or prefill chunks) of the bench preset with jax.profiler and print the HLO ops that take the
 most time per step.
 
-Run: python benchmarks/profile_decode.py CONCURRENCY [prefill]  (prefill: profile prefilling CONCURRENCY fresh
+Run: python benchmarks/profile_decode.py CONCURRENCY [prefill]  (the `all` build, as `qcompile bench` measures it;
+QCOMPILE_PROFILE_PASSES=none profiles the unoptimized graph; prefill: profile prefilling CONCURRENCY fresh
 128-token prompts in one chunk, as `bench` does up to its 512-token chunks; needs /tmp/bench from `qcompile init-tiny /tmp/bench --preset bench`;
 results quoted in docs/benchmarks.md)."""
 import sys, time, glob, gzip, json, collections, os
@@ -9,7 +10,12 @@ import jax, numpy as np
 from qcompile.runtime.model import load_model
 from qcompile.ir.abi import CacheConfig
 c = int(sys.argv[1]) if len(sys.argv) > 1 else 1
-m = load_model("/tmp/bench", progress=False)
+from qcompile.passes.base import PassContext
+from qcompile.passes.manager import run_pipeline
+from qcompile.passes.registry import parse_spec
+spec = os.environ.get("QCOMPILE_PROFILE_PASSES", "all")
+m = load_model("/tmp/bench", progress=False,
+               rewrite=lambda g: run_pipeline(g, parse_spec(spec), PassContext(), verify_mode="none").graph)
 eng = m.engine(CacheConfig(max_seqs=c, max_context=160, max_step_tokens=512))
 seqs = [eng.add_sequence() for _ in range(c)]
 rng = np.random.default_rng(0)
@@ -57,7 +63,7 @@ for name, d in agg.most_common(40):
     print(f"{d/5/1e3:8.2f} ms/step  x{cnt[name]//5:4d}  {name[:100]}")
 # Which custom call is which: map ffi_call.N in the trace to its target through the compiled step's HLO.
 import re as _re
-if last is not None:
+if True:
     fn = eng.program._jitted[False]
     hlo = fn.lower(eng.params, eng.caches, eng.last_batch).compile().as_text()
     targets = dict(_re.findall(r"(ffi_call(?:\.\d+)?) = .*?custom_call_target=\"(\w+)\"", hlo))
@@ -67,3 +73,9 @@ if last is not None:
             per[targets[name]] += d; n[targets[name]] += 1
     for name, d in per.most_common():
         print(f"{d/5/1e3:8.2f} ms/step  x{n[name]//5:4d}  {name}")
+    rest = collections.Counter()
+    for name, d in agg.items():
+        if name not in targets and not name.startswith(("$", "Thunk")):
+            rest[_re.sub(r"[.\d]+$", "", name)] += d
+    for name, d in rest.most_common(15):
+        print(f"{d/5/1e3:8.2f} ms/step  (other)  {name}")

@@ -26,6 +26,7 @@ from qcompile.kernels import gdn
 from qcompile.kernels import grouped_matmul as gm
 from qcompile.kernels import linear as lin
 from qcompile.kernels import native
+from qcompile.kernels import moe_routes as routes
 
 REL = 1e-5
 pytestmark = pytest.mark.skipif(not all(native.ensure(name) for name in native.KERNELS),
@@ -294,7 +295,8 @@ def test_artifact_names_the_kernel_and_refuses_an_unknown_one(tmp_path):
     out = tmp_path / "art"
     manifest = write_artifact(out, model.graph, model.params, config_json=model.checkpoint.config.to_json(),
                               cache=cache, target="cpu", progress=False)
-    assert manifest["native_kernels"] == sorted([gm.NATIVE_F32, lin.NATIVE_F32, lin.NATIVE_PANELS, gdn.NATIVE_F32])
+    assert manifest["native_kernels"] == sorted([gm.NATIVE_F32, lin.NATIVE_F32, lin.NATIVE_PANELS, gdn.NATIVE_F32,
+                                                 routes.NATIVE_DISPATCH, routes.NATIVE_COMBINE_F32])
     want = model.engine(cache).generate([[5, 6, 7]], 3)["tokens"]
     assert load_artifact(out).engine().generate([[5, 6, 7]], 3)["tokens"] == want
 
@@ -306,3 +308,29 @@ def test_artifact_names_the_kernel_and_refuses_an_unknown_one(tmp_path):
     with pytest.raises(CheckpointError, match="names a kernel this qcompile does not have") as info:
         load_artifact(bad)
     assert info.value.exit_code == 65
+
+
+def test_moe_dispatch_and_combine_across_work_items():
+    """800 routes (7 copy items of 128 rows) and 100 tokens (7 combine items of 16) on XLA's threads, H = 72 (a tail
+    past the 16-lane vectors): dispatch equals the stable argsort exactly, combine its reference within f32 rounding;
+    a route to expert E (not on this device) is placed last and read back by combine like any other row."""
+    import qcompile.ir.importer  # noqa: F401
+    from qcompile.ir.ops.moe import MoeCombine, MoeDispatch
+    from qcompile.ir.registry import lowering_rule
+
+    rng = np.random.default_rng(11)
+    tokens, top_k, experts, hidden = 100, 8, 16, 72
+    ids = np.stack([rng.choice(experts, top_k, replace=False) for _ in range(tokens)]).astype(np.int32)
+    ids[3, 2] = experts
+    x = rng.standard_normal((tokens, hidden)).astype(np.float32)
+    op = MoeDispatch(experts)
+    want = jax.jit(lambda x, i: lowering_rule(MoeDispatch, "reference")(op, x, i))(x, ids)
+    got = jax.jit(lambda x, i: routes.dispatch_native(x, i, experts))(x, ids)
+    for w, g in zip(want, got):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    assert int(np.asarray(got[2])[-1]) == 3 * top_k + 2 and int(np.sum(got[1])) == tokens * top_k - 1
+    weights = rng.uniform(0.05, 1.0, (tokens, top_k)).astype(np.float32)
+    ref = jax.jit(lambda r, o, w: lowering_rule(MoeCombine, "reference")(MoeCombine(), r, o, w))(got[0], got[2], weights)
+    out = jax.jit(routes.combine_native)(got[0], got[2], weights)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=0, atol=REL * np.abs(np.asarray(ref)).max())
+    np.testing.assert_allclose(np.asarray(out)[3], (weights[3, :, None] * x[3]).sum(0), rtol=1e-5, atol=1e-5)

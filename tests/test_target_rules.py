@@ -15,7 +15,7 @@ import qcompile.ir.importer  # noqa: F401  (registers the op catalogue)
 from qcompile.ir.ops.attention import PagedAttention
 from qcompile.ir.ops.core import Greedy, Linear, LinearF32, LinearPanels, LinearSwiglu
 from qcompile.ir.ops.gdn import CausalConv1d, GatedDeltaNet, GdnRecurrence
-from qcompile.ir.ops.moe import GroupedMatmul, GroupedMatmulSwiglu
+from qcompile.ir.ops.moe import GroupedMatmul, GroupedMatmulSwiglu, MoeCombine, MoeDispatch
 from qcompile.ir.registry import TAKES_QUANTIZED, lowering_rule, target_rules
 from qcompile.kernels.fp8 import QuantizedWeight, materialized
 
@@ -124,6 +124,26 @@ def _gmm_case(rng, batch, dtype):
     return GroupedMatmul(), (rows, w, group_sizes)
 
 
+def _dispatch_case(rng, batch, dtype):
+    """Every token slot of the bucket routed (padding tokens too, as a step routes them); on the mixed batch some
+    routes name expert E — the expert-parallel dispatch's "not on this device" — which go after every group and are
+    not counted."""
+    experts, top_k, hidden = 8, 3, 40
+    tokens = BATCHES[batch][2]
+    ids = np.stack([rng.choice(experts, top_k, replace=False) for _ in range(tokens)]).astype(np.int32)
+    if batch == "mixed":
+        ids[rng.random(ids.shape) < 0.25] = experts
+    return MoeDispatch(experts), (rng.standard_normal((tokens, hidden)).astype(dtype), ids)
+
+
+def _combine_case(rng, batch, dtype):
+    top_k, hidden = 3, 40
+    tokens = BATCHES[batch][2]
+    rows = rng.standard_normal((tokens * top_k, hidden)).astype(dtype)
+    weights = rng.uniform(0.05, 1.0, (tokens, top_k)).astype(dtype)
+    return MoeCombine(), (rows, rng.permutation(tokens * top_k).astype(np.int32), weights)
+
+
 def _gmm_swiglu_case(rng, batch, dtype):
     _, (rows, w, group_sizes) = _gmm_case(rng, batch, dtype)
     return GroupedMatmulSwiglu(), (rows, w, group_sizes)  # w [E, 32, 24]: [gate | up] of width 12 each
@@ -178,7 +198,8 @@ def quantized(w, block):
 CASES = {"paged_attention": _attention_case, "dequantize": _dequantize_case, "causal_conv1d": _conv_case, "gdn_recurrence": _gdn_case,
          "linear": _linear_case, "linear_f32": _linear_f32_case, "grouped_matmul": _gmm_case, "greedy": _greedy_case,
          "grouped_matmul_swiglu": _gmm_swiglu_case, "linear_swiglu": _linear_swiglu_case,
-         "gated_delta_net": _gdn_fused_case, "linear_panels": _linear_panels_case}
+         "gated_delta_net": _gdn_fused_case, "linear_panels": _linear_panels_case, "moe_dispatch": _dispatch_case,
+         "moe_combine": _combine_case}
 
 
 def test_every_target_rule_has_cases():

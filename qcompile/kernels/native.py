@@ -54,6 +54,8 @@ KERNELS = {
     "qcompile_gdn_fused_f32": ("gdn_fused_f32.cc", "QcompileGdnFusedF32"),
     "qcompile_gdn_fused_bf16_state": ("gdn_fused_f32.cc", "QcompileGdnFusedBf16State"),
     "qcompile_zero_slot": ("zero_slot.cc", "QcompileZeroSlot"),
+    "qcompile_moe_dispatch": ("moe_routes.cc", "QcompileMoeDispatch"),
+    "qcompile_moe_combine_f32": ("moe_routes.cc", "QcompileMoeCombineF32"),
 }
 
 _registered: dict[str, bool] = {}

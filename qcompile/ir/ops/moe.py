@@ -16,7 +16,9 @@ from qcompile.ir.cost import Cost, cost, nbytes
 from qcompile.ir.registry import expect, lowering, op, type_rule
 from qcompile.kernels.grouped_matmul import (grouped_matmul_cpu, grouped_matmul_reference, grouped_matmul_swiglu_cpu,
                                              grouped_matmul_swiglu_reference)
+from qcompile.kernels import native
 from qcompile.kernels.fp8 import QuantizedWeight, materialized
+from qcompile.kernels.moe_routes import NATIVE_COMBINE_F32, NATIVE_DISPATCH, combine_native, dispatch_native
 from qcompile.kernels.pallas_gmm import fp8_tiles_fit, gmm_fp8_tpu, gmm_swiglu_tpu
 from qcompile.ir.types import TensorType, dim_mul
 
@@ -76,6 +78,14 @@ def _dispatch(op_, x, ids):
     rows = jnp.take(x, order // ids.shape[1], axis=0)
     group_sizes = jnp.bincount(flat, length=op_.num_experts).astype(jnp.int32)
     return rows, group_sizes, order
+
+
+@lowering(MoeDispatch, "cpu")
+def _dispatch_cpu(op_, x, ids):
+    """A counting sort and one copy per row (kernels/moe_routes.py), where the native kernel can be built."""
+    if native.ensure(NATIVE_DISPATCH):
+        return dispatch_native(x, ids, op_.num_experts)
+    return _dispatch(op_, x, ids)
 
 
 @op("grouped_matmul")
@@ -166,6 +176,15 @@ def _combine_type(op_, rows, order, weights):
 def _combine(op_, rows, order, weights):
     tokens, k = weights.shape
     return weighted_route_sum(jnp.zeros_like(rows).at[order].set(rows).reshape(tokens, k, rows.shape[1]), weights)
+
+
+@lowering(MoeCombine, "cpu")
+def _combine_cpu(op_, rows, order, weights):
+    """Each routed row read once where it lies, each token written once (kernels/moe_routes.py): f32 only (bf16
+    rounds each product to bf16 as the reference does)."""
+    if rows.dtype == jnp.float32 and weights.dtype == jnp.float32 and native.ensure(NATIVE_COMBINE_F32):
+        return combine_native(rows, order, weights)
+    return _combine(op_, rows, order, weights)
 
 
 def weighted_route_sum(routes, weights):
