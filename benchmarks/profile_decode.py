@@ -2,7 +2,7 @@
 most time per step.
 
 Run: python benchmarks/profile_decode.py CONCURRENCY [prefill]  (the `all` build, as `qcompile bench` measures it;
-QCOMPILE_PROFILE_PASSES=none profiles the unoptimized graph; prefill: profile prefilling CONCURRENCY fresh
+QCOMPILE_PROFILE_PASSES=none profiles the unoptimized graph, QCOMPILE_PROFILE_CHECKPOINT=DIR another checkpoint; prefill: profile prefilling CONCURRENCY fresh
 128-token prompts in one chunk, as `bench` does up to its 512-token chunks; needs /tmp/bench from `qcompile init-tiny /tmp/bench --preset bench`;
 results quoted in docs/benchmarks.md)."""
 import sys, time, glob, gzip, json, collections, os
@@ -14,7 +14,7 @@ from qcompile.passes.base import PassContext
 from qcompile.passes.manager import run_pipeline
 from qcompile.passes.registry import parse_spec
 spec = os.environ.get("QCOMPILE_PROFILE_PASSES", "all")
-m = load_model("/tmp/bench", progress=False,
+m = load_model(os.environ.get("QCOMPILE_PROFILE_CHECKPOINT", "/tmp/bench"), progress=False,
                rewrite=lambda g: run_pipeline(g, parse_spec(spec), PassContext(), verify_mode="none").graph)
 eng = m.engine(CacheConfig(max_seqs=c, max_context=160, max_step_tokens=512))
 seqs = [eng.add_sequence() for _ in range(c)]

@@ -54,11 +54,17 @@ def draw_case(rng):
             jnp.asarray(rng.standard_normal((e, k, nout)), jnp.float32), jnp.asarray(gs))
 
 
-def test_matches_float64_oracle_on_random_shapes():
+@pytest.mark.parametrize("weights", ["f32", "bf16"])
+def test_matches_float64_oracle_on_random_shapes(weights):
+    """f32 weights, and a bf16 checkpoint's weights as they are (widened in registers for items of few rows, into an
+    f32 slab for more: groups here reach 75 rows), against float64 products of the same (bf16-exact) values."""
     rng = np.random.default_rng(20261203)
-    call = jax.jit(gm.grouped_matmul_native)
+    call = jax.jit(gm.grouped_matmul_native if weights == "f32"
+                   else lambda r, w, g: gm.grouped_matmul_bf16_native(r, w, g, swiglu=False))
     for case in range(40):
         rows, w, gs = draw_case(rng)
+        if weights == "bf16":
+            w = w.astype(jnp.bfloat16)
         want, total = oracle(rows, w, gs)
         got = np.asarray(call(rows, w, gs))
         assert got.shape == want.shape and got.dtype == np.float32
@@ -82,11 +88,11 @@ def test_bench_preset_shapes_and_the_cpu_rule_agree_with_the_jnp_rule():
         assert np.abs(np.asarray(got) - np.asarray(want)).max() <= REL * np.abs(np.asarray(want)).max()
 
 
-def test_cpu_rule_lowers_to_the_custom_call_for_f32_only():
+def test_cpu_rule_lowers_to_the_f32_or_the_bf16_custom_call():
     rows, w, gs = jnp.ones((8, 16), jnp.float32), jnp.ones((4, 16, 8), jnp.float32), jnp.asarray([2, 2, 2, 2])
     assert gm.NATIVE_F32 in jax.jit(gm.grouped_matmul_cpu).lower(rows, w, gs).as_text()
     bf16 = jax.jit(gm.grouped_matmul_cpu).lower(rows.astype(jnp.bfloat16), w.astype(jnp.bfloat16), gs).as_text()
-    assert gm.NATIVE_F32 not in bf16
+    assert gm.NATIVE_F32 not in bf16 and gm.NATIVE_BF16 in bf16  # a bf16 checkpoint's weights read as they are
 
 
 def test_linear_matches_float64_oracle_on_random_shapes():
@@ -111,11 +117,13 @@ def test_linear_matches_float64_oracle_on_random_shapes():
             assert err <= REL, f"x {x.shape}, w {w.shape}: {err:.2e}"
 
 
-def test_linear_panels_matches_float64_oracle_on_random_shapes():
+@pytest.mark.parametrize("weights", ["f32", "bf16"])
+def test_linear_panels_matches_float64_oracle_on_random_shapes(weights):
     """The panel kernel (x[T,K] · w[P,K,64] panels): row tiles of 1-6 rows split evenly, row chunks past 48, k blocks
     of 64 with tails (K = 1, 63, 65, 1100), one to many panels (runs of panels per work item), leading batch dims,
     T = 0 and K = 0. Sequential f32 sums over K ≤ 1100: measured ≤ 2e-6 relative to the largest output; 1e-5 catches
-    a wrong panel, a dropped k block or a row tile written to the wrong place."""
+    a wrong panel, a dropped k block or a row tile written to the wrong place. bf16 panels (a bf16 checkpoint's): the
+    same against the bf16-exact weights, read in place by one row tile, widened per k block for more."""
     rng = np.random.default_rng(20261205)
     call = jax.jit(lin.linear_panels_cpu)
     shapes = [((1,), 1, 1), ((2, 3), 65, 2), ((48,), 1024, 3), ((32,), 63, 16), ((49,), 100, 1), ((100,), 1100, 5),
@@ -124,21 +132,22 @@ def test_linear_panels_matches_float64_oracle_on_random_shapes():
                for _ in range(12)]
     for lead, k, panels in shapes:
         x = jnp.asarray(rng.standard_normal((*lead, k)), jnp.float32)
-        w = rng.standard_normal((panels * lin.PANEL, k)).astype(np.float32)
-        want = np.asarray(x, np.float64) @ w.astype(np.float64).T
-        got = np.asarray(call(x, lin.pack_panels(jnp.asarray(w))))
+        w = jnp.asarray(rng.standard_normal((panels * lin.PANEL, k)), jnp.float32 if weights == "f32" else jnp.bfloat16)
+        want = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
+        got = np.asarray(call(x, lin.pack_panels(w)))
         assert got.shape == want.shape and got.dtype == np.float32
         if want.size:
             err = np.abs(got - want).max() / max(np.abs(want).max(), 1e-30)
             assert err <= REL, f"x {x.shape}, {panels} panels: {err:.2e}"
 
 
-def test_linear_panels_rule_uses_the_kernel_for_f32_at_every_row_count():
+def test_linear_panels_rule_uses_the_kernel_at_every_row_count():
     w = lin.pack_panels(jnp.ones((128, 32), jnp.float32))
     text = lambda x, w: jax.jit(lin.linear_panels_cpu).lower(x, w).as_text()  # noqa: E731
     assert lin.NATIVE_PANELS in text(jnp.ones((2, 24, 32), jnp.float32), w)     # decode-sized
     assert lin.NATIVE_PANELS in text(jnp.ones((512, 32), jnp.float32), w)       # prefill-sized
-    assert lin.NATIVE_PANELS not in text(jnp.ones((8, 32), jnp.bfloat16), w.astype(jnp.bfloat16))
+    bf16 = text(jnp.ones((8, 32), jnp.bfloat16), w.astype(jnp.bfloat16))
+    assert lin.NATIVE_PANELS not in bf16 and lin.NATIVE_PANELS_BF16 in bf16
 
 
 def test_linear_rule_uses_the_kernel_for_few_f32_rows_only():

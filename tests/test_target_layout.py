@@ -75,12 +75,23 @@ def test_without_the_native_kernel_cpu_keeps_the_checkpoint_layout(monkeypatch):
     assert in_target_layout(graph, "cpu") is not graph
 
 
-def test_not_rewritten_bf16_or_a_weight_computed_in_the_step_or_a_mesh():
+def test_bf16_weights_go_into_bf16_panels():
+    """A bf16 checkpoint's projection becomes linear_panels over bf16 panels (the kernel widens them: two bytes a
+    weight from memory), and the rule matches the reference on it."""
+    b = Builder()
+    x = b.input("x", TensorType("bf16", ("T", 32)))
+    b.output("y", b.add(Linear(), x, b.param("w", TensorType("bf16", (128, 32)))))
+    laid = in_target_layout(b.build(), "cpu")
+    panels = [n for n in laid.nodes() if type(n.op).__name__ == "LinearPanels"]
+    assert len(panels) == 1 and str(laid.type_of(panels[0].operands[1])) == "bf16[2,32,64]"
+
+
+def test_not_rewritten_uneven_n_or_a_weight_computed_in_the_step_or_a_mesh():
     from qcompile.ir.mesh import Mesh
 
     b = Builder()
     x = b.input("x", TensorType("bf16", ("T", 32)))
-    b.output("bf16", b.add(Linear(), x, b.param("w", TensorType("bf16", (64, 32)))))
+    b.output("bf16", b.add(Linear(), x, b.param("w", TensorType("bf16", (48, 32)))))  # N not a multiple of 64
     xf = b.input("xf", TensorType("f32", ("T", 32)))
     step_weight = b.input("w_in_step", TensorType("f32", (64, 32)))  # a runtime value, not a weight
     b.output("runtime", b.add(Linear(), xf, step_weight))

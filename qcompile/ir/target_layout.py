@@ -15,7 +15,7 @@ candidate it runs with the target's rules, so the layout and its kernel are chec
              %5 = transpose(%4) {perm=[0, 2, 1]} : f32[16,1024,64]       (params-only: folded at compile time)
              %9 = linear_panels(%8, %5) {swiglu=false} : f32[T,1024]
 
-Rewritten (cpu): linear and linear_swiglu in f32 whose weight is known at compile time (params-only, not an FP8
+Rewritten (cpu): linear and linear_swiglu in f32, or in bf16 with bf16 weights (the kernel widens them), whose weight is known at compile time (params-only, not an FP8
 weight that stays FP8 in the step), unsharded, with N a multiple of 64. Everything else keeps its op. A graph on a
 device mesh is left as it is (its weights are laid out by their shardings), and so is every graph when the native
 panel kernel cannot be built here or QCOMPILE_NATIVE=off: without the kernel, XLA's dot is faster on the
@@ -28,7 +28,7 @@ from qcompile.ir.builder import Builder
 from qcompile.ir.graph import Graph, Value
 from qcompile.ir.ops.core import Input, Linear, LinearPanels, LinearSwiglu, Param, Reshape, Transpose
 from qcompile.kernels import native
-from qcompile.kernels.linear import NATIVE_PANELS, PANEL
+from qcompile.kernels.linear import NATIVE_PANELS, NATIVE_PANELS_BF16, PANEL
 
 #: targets whose rules want linear weights in column panels
 PANEL_TARGETS = ("cpu",)
@@ -46,7 +46,9 @@ def _panel_weights(graph: Graph) -> dict[int, bool]:
         x, w = node.operands
         xt, wt = graph.type_of(x), graph.type_of(w)
         known = w.node in pure or isinstance(graph.node(w.node).op, Param)
-        if (known and xt.dtype == "f32" and wt.dtype == "f32" and wt.sharding is None and xt.sharding is None
+        dtype_ok = (xt.dtype == wt.dtype == "f32"
+                    or (xt.dtype == wt.dtype == "bf16" and native.ensure(NATIVE_PANELS_BF16)))
+        if (known and dtype_ok and wt.sharding is None and xt.sharding is None
                 and isinstance(wt.shape[0], int) and wt.shape[0] % PANEL == 0 and isinstance(wt.shape[1], int)):
             chosen[node.id] = isinstance(node.op, LinearSwiglu)
     return chosen

@@ -311,7 +311,30 @@ def grouped_matmul_cpu(rows, w, group_sizes):
         w = w.dequantize()
     if rows.dtype == jnp.float32 and w.dtype == jnp.float32 and native.ensure(NATIVE_F32):
         return grouped_matmul_native(rows, w, group_sizes)
+    if _bf16_native(rows, w) and native.ensure(NATIVE_BF16):
+        return grouped_matmul_bf16_native(rows, w, group_sizes, swiglu=False)
     return grouped_matmul_jnp(rows, w, group_sizes)
+
+
+NATIVE_BF16 = "qcompile_grouped_matmul_bf16"
+NATIVE_SWIGLU_BF16 = "qcompile_grouped_matmul_swiglu_bf16"
+
+
+def _bf16_native(rows, w) -> bool:
+    return w.dtype == jnp.bfloat16 and rows.dtype in (jnp.float32, jnp.bfloat16)
+
+
+def grouped_matmul_bf16_native(rows, w, group_sizes, swiglu: bool):
+    """The native kernel on a bf16 checkpoint's expert weights [E, K, Nout] as they are: each k block's slab widened
+    into an L2-resident f32 buffer (kernels/native/grouped_matmul_f32.cc), rows widened before and the f32 result
+    rounded once to the rows' dtype (the reference's f32 accumulation; with `swiglu` the epilogue runs on the f32
+    products). Call only after `native.ensure` of its target returned True."""
+    n, nout = rows.shape[0], w.shape[2]
+    width = nout // 2 if swiglu else nout
+    if n == 0:
+        return jnp.zeros((0, width), rows.dtype)
+    call = jax.ffi.ffi_call(NATIVE_SWIGLU_BF16 if swiglu else NATIVE_BF16, jax.ShapeDtypeStruct((n, width), jnp.float32))
+    return call(rows.astype(jnp.float32), w, group_sizes.astype(jnp.int32)).astype(rows.dtype)
 
 
 def grouped_matmul_jnp(rows, w, group_sizes):
@@ -361,4 +384,6 @@ def grouped_matmul_swiglu_cpu(rows, w, group_sizes):
         w = w.dequantize()
     if rows.dtype == jnp.float32 and w.dtype == jnp.float32 and native.ensure(NATIVE_SWIGLU_F32):
         return grouped_matmul_swiglu_native(rows, w, group_sizes)
+    if _bf16_native(rows, w) and native.ensure(NATIVE_SWIGLU_BF16):
+        return grouped_matmul_bf16_native(rows, w, group_sizes, swiglu=True)
     return swiglu_halves(grouped_matmul_jnp(rows, w, group_sizes))

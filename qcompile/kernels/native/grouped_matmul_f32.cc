@@ -23,6 +23,9 @@
 // FP8 weights (the ...Fp8 entry points: w is e4m3fn bytes [E, K, Nout] with f32 block scales [E, ceil(K/bk),
 // ceil(Nout/bn)]): each k block's [kc, Nout] slab is dequantized into a per-thread buffer (fp8.h) that the same
 // panels then read, so memory moves one byte per weight and the slab is multiplied while it is in L2.
+// bf16 weights (the ...Bf16 entry points, a bf16 checkpoint's experts: w is bf16 [E, K, Nout]): each slab is widened
+// into the same per-thread buffer the same way (two bytes a weight from memory; items of few rows, at decode, read
+// the bf16 weights where they lie and widen them in registers instead); rows and out stay f32.
 
 #include <algorithm>
 #include <cmath>
@@ -31,6 +34,7 @@
 #include <memory>
 #include <vector>
 
+#include "bf16.h"
 #include "fp8.h"
 #include "parallel_items.h"
 #include "vec16.h"
@@ -55,17 +59,28 @@ constexpr int64_t kFewRows = 2 * kMr;   // items of at most this many rows walk 
 constexpr int64_t kFewRowsSub = kPrefetchRows;  // this many weight rows
 
 
+// A weight's 16 consecutive values (or one) as f32: f32 as it is, bf16 widened in registers.
+inline v16 load_w(const float* p) { return load(p); }
+inline v16 load_w(const uint16_t* p) { return qcompile_native::widen16(p); }
+inline float value_w(const float* p) { return *p; }
+inline float value_w(const uint16_t* p) {
+  const uint32_t bits = static_cast<uint32_t>(*p) << 16;
+  float out;
+  std::memcpy(&out, &bits, 4);
+  return out;
+}
+
 // out[m, 0:16*NV] (+)= x[m, 0:k] · w[0:k, 0:16*NV] for m < MR.
-template <int MR, int NV>
-void tile(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t k, float* out, int64_t ldo, bool add) {
+template <int MR, int NV, class W>
+void tile(const float* x, int64_t ldx, const W* w, int64_t ldw, int64_t k, float* out, int64_t ldo, bool add) {
   v16 acc[MR][NV];
   for (int m = 0; m < MR; ++m)
     for (int v = 0; v < NV; ++v) acc[m][v] = add ? load(out + m * ldo + 16 * v) : v16{};
   for (int64_t kk = 0; kk < k; ++kk) {
-    const float* wr = w + kk * ldw;
+    const W* wr = w + kk * ldw;
     for (int v = 0; v < NV; ++v) __builtin_prefetch(wr + kPrefetchRows * ldw + 16 * v);
     v16 b[NV];
-    for (int v = 0; v < NV; ++v) b[v] = load(wr + 16 * v);
+    for (int v = 0; v < NV; ++v) b[v] = load_w(wr + 16 * v);
     for (int m = 0; m < MR; ++m) {
       const v16 a = v16{} + x[m * ldx + kk];
       for (int v = 0; v < NV; ++v) acc[m][v] += a * b[v];
@@ -75,39 +90,41 @@ void tile(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t k, f
     for (int v = 0; v < NV; ++v) store(out + m * ldo + 16 * v, acc[m][v]);
 }
 
-template <int NV>
-void tile_rows(const float* x, int64_t ldx, int rows, const float* w, int64_t ldw, int64_t k, float* out, int64_t ldo,
+template <int NV, class W>
+void tile_rows(const float* x, int64_t ldx, int rows, const W* w, int64_t ldw, int64_t k, float* out, int64_t ldo,
                bool add) {
   switch (rows) {
-    case 1: tile<1, NV>(x, ldx, w, ldw, k, out, ldo, add); break;
-    case 2: tile<2, NV>(x, ldx, w, ldw, k, out, ldo, add); break;
-    case 3: tile<3, NV>(x, ldx, w, ldw, k, out, ldo, add); break;
-    case 4: tile<4, NV>(x, ldx, w, ldw, k, out, ldo, add); break;
-    case 5: tile<5, NV>(x, ldx, w, ldw, k, out, ldo, add); break;
-    default: tile<kMr, NV>(x, ldx, w, ldw, k, out, ldo, add); break;
+    case 1: tile<1, NV, W>(x, ldx, w, ldw, k, out, ldo, add); break;
+    case 2: tile<2, NV, W>(x, ldx, w, ldw, k, out, ldo, add); break;
+    case 3: tile<3, NV, W>(x, ldx, w, ldw, k, out, ldo, add); break;
+    case 4: tile<4, NV, W>(x, ldx, w, ldw, k, out, ldo, add); break;
+    case 5: tile<5, NV, W>(x, ldx, w, ldw, k, out, ldo, add); break;
+    default: tile<kMr, NV, W>(x, ldx, w, ldw, k, out, ldo, add); break;
   }
 }
 
 // Fewer than 16 columns left: scalar loops.
-void narrow(const float* x, int64_t ldx, int rows, const float* w, int64_t ldw, int64_t k, int64_t ncols, float* out,
+template <class W>
+void narrow(const float* x, int64_t ldx, int rows, const W* w, int64_t ldw, int64_t k, int64_t ncols, float* out,
             int64_t ldo, bool add) {
   for (int m = 0; m < rows; ++m) {
     float* o = out + m * ldo;
     if (!add) std::memset(o, 0, sizeof(float) * ncols);
     for (int64_t kk = 0; kk < k; ++kk) {
       const float a = x[m * ldx + kk];
-      const float* wr = w + kk * ldw;
-      for (int64_t n = 0; n < ncols; ++n) o[n] += a * wr[n];
+      const W* wr = w + kk * ldw;
+      for (int64_t n = 0; n < ncols; ++n) o[n] += a * value_w(wr + n);
     }
   }
 }
 
 // x[rows, k] · w[k, ncols] into out (+= when add), any ncols: 64-column panels, then 16-column ones, then scalars.
-void panel(const float* x, int64_t ldx, int rows, const float* w, int64_t ldw, int64_t k, int64_t ncols, float* out,
+template <class W>
+void panel(const float* x, int64_t ldx, int rows, const W* w, int64_t ldw, int64_t k, int64_t ncols, float* out,
            int64_t ldo, bool add) {
   int64_t n = 0;
-  for (; n + kNr <= ncols; n += kNr) tile_rows<kNv>(x, ldx, rows, w + n, ldw, k, out + n, ldo, add);
-  for (; n + 16 <= ncols; n += 16) tile_rows<1>(x, ldx, rows, w + n, ldw, k, out + n, ldo, add);
+  for (; n + kNr <= ncols; n += kNr) tile_rows<kNv, W>(x, ldx, rows, w + n, ldw, k, out + n, ldo, add);
+  for (; n + 16 <= ncols; n += 16) tile_rows<1, W>(x, ldx, rows, w + n, ldw, k, out + n, ldo, add);
   if (n < ncols) narrow(x, ldx, rows, w + n, ldw, k, ncols - n, out + n, ldo, add);
 }
 
@@ -125,6 +142,7 @@ struct Job {
   // FP8 weights (w8 set, w null): values [E, K, Nout], scales [E, kblocks, nblocks] in blocks of bk x bn
   const uint8_t* w8 = nullptr;
   const float* scale = nullptr;
+  const uint16_t* w16 = nullptr;  // bf16 weights [E, K, Nout] (w null)
   int64_t bk = 1, bn = 1, kblocks = 1, nblocks = 1;
 };
 
@@ -140,15 +158,18 @@ void dequant_slab(const Job& j, int64_t e, int64_t k0, int64_t kc, float* buf) {
 // rows[it] · w[e] into out (ldo floats per row), k blocks outer, 64-column panels, row tiles inner.
 void product(const Job& j, const Item& it, float* out, int64_t ldo) {
   const int64_t kblock = std::max<int64_t>(16, kSlabFloats / std::max<int64_t>(j.nout, 1));
-  thread_local std::vector<float> slab;  // FP8: the k block's weights, dequantized
-  if (j.w8 != nullptr) slab.resize(static_cast<size_t>(std::min(kblock, j.k) * j.nout));
+  thread_local std::vector<float> slab;  // FP8 or bf16: the k block's weights, in f32
+  if (j.w8 != nullptr || j.w16 != nullptr) slab.resize(static_cast<size_t>(std::min(kblock, j.k) * j.nout));
   for (int64_t k0 = 0; k0 < j.k; k0 += kblock) {
     const int64_t kc = std::min(kblock, j.k - k0);
     const float* wk = nullptr;  // the slab: weight rows k0..k0+kc of this expert, [kc, Nout]
     if (j.w8 != nullptr) {
       dequant_slab(j, it.expert, k0, kc, slab.data());
       wk = slab.data();
-    } else {
+    } else if (j.w16 != nullptr && it.rows > kFewRows) {  // (few rows widen each weight once, in registers)
+      qcompile_native::widen(j.w16 + (it.expert * j.k + k0) * j.nout, slab.data(), kc * j.nout);
+      wk = slab.data();
+    } else if (j.w16 == nullptr) {
       wk = j.w + (it.expert * j.k + k0) * j.nout;
     }
     // Few rows (decode): the slab in sub-blocks of kFewRowsSub weight rows, every panel of one before the next, so
@@ -162,8 +183,12 @@ void product(const Job& j, const Item& it, float* out, int64_t ldo) {
         for (int64_t r = 0; r < it.rows; r += kMr) {
           const int rows = static_cast<int>(std::min<int64_t>(kMr, it.rows - r));
           const int64_t row = it.row0 + r;
-          panel(j.x + row * j.k + k0 + ks, j.k, rows, wk + ks * j.nout + n0, j.nout, kn, ncols, out + r * ldo + n0,
-                ldo, k0 + ks > 0);
+          if (wk == nullptr)  // bf16, few rows: straight from the checkpoint's weights
+            panel(j.x + row * j.k + k0 + ks, j.k, rows, j.w16 + (it.expert * j.k + k0 + ks) * j.nout + n0, j.nout,
+                  kn, ncols, out + r * ldo + n0, ldo, k0 + ks > 0);
+          else
+            panel(j.x + row * j.k + k0 + ks, j.k, rows, wk + ks * j.nout + n0, j.nout, kn, ncols, out + r * ldo + n0,
+                  ldo, k0 + ks > 0);
         }
       }
     }
@@ -264,6 +289,36 @@ ffi::Error RunFp8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> rows, ffi::AnyBuff
   return Launch(pool, job, rd[0], wd[0], group_sizes.typed_data());
 }
 
+ffi::Error RunBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> rows, ffi::AnyBuffer w,
+                   ffi::Buffer<ffi::S32> group_sizes, ffi::ResultBuffer<ffi::F32> out, bool swiglu) {
+  const auto rd = rows.dimensions();
+  const auto wd = w.dimensions();
+  const auto gd = group_sizes.dimensions();
+  if (w.element_type() != ffi::DataType::BF16 || rd.size() != 2 || wd.size() != 3 || gd.size() != 1 ||
+      wd[1] != rd[1] || gd[0] != wd[0] || (swiglu && wd[2] % 2))
+    return ffi::Error::InvalidArgument("qcompile grouped matmul bf16: expected rows[N,K] f32, w[E,K,Nout] bf16, "
+                                       "group_sizes[E]");
+  auto job = std::make_shared<Job>();
+  job->x = rows.typed_data();
+  job->w = nullptr;
+  job->w16 = static_cast<const uint16_t*>(w.untyped_data());
+  job->out = out->typed_data();
+  job->k = rd[1];
+  job->nout = wd[2];
+  job->swiglu = swiglu;
+  return Launch(pool, job, rd[0], wd[0], group_sizes.typed_data());
+}
+
+ffi::Error GroupedMatmulBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> rows, ffi::AnyBuffer w,
+                             ffi::Buffer<ffi::S32> group_sizes, ffi::ResultBuffer<ffi::F32> out) {
+  return RunBf16(pool, rows, w, group_sizes, out, false);
+}
+
+ffi::Error GroupedMatmulSwigluBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> rows, ffi::AnyBuffer w,
+                                   ffi::Buffer<ffi::S32> group_sizes, ffi::ResultBuffer<ffi::F32> out) {
+  return RunBf16(pool, rows, w, group_sizes, out, true);
+}
+
 ffi::Error GroupedMatmulF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> rows, ffi::Buffer<ffi::F32> w,
                             ffi::Buffer<ffi::S32> group_sizes, ffi::ResultBuffer<ffi::F32> out) {
   return Run(pool, rows, w, group_sizes, out, false);
@@ -299,6 +354,19 @@ ffi::Error GroupedMatmulSwigluFp8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> ro
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QcompileGroupedMatmulF32, GroupedMatmulF32, QCOMPILE_GROUPED_MATMUL_BINDING);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QcompileGroupedMatmulSwigluF32, GroupedMatmulSwigluF32, QCOMPILE_GROUPED_MATMUL_BINDING);
+
+// rows[N,K] f32, w[E,K,Nout] bf16, group_sizes[E] -> out f32.
+#define QCOMPILE_GROUPED_MATMUL_BF16_BINDING           \
+  ffi::Ffi::Bind()                                    \
+      .Ctx<ffi::ThreadPool>()                         \
+      .Arg<ffi::Buffer<ffi::F32>>()                   \
+      .Arg<ffi::AnyBuffer>()                          \
+      .Arg<ffi::Buffer<ffi::S32>>()                   \
+      .Ret<ffi::Buffer<ffi::F32>>()
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QcompileGroupedMatmulBf16, GroupedMatmulBf16, QCOMPILE_GROUPED_MATMUL_BF16_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QcompileGroupedMatmulSwigluBf16, GroupedMatmulSwigluBf16,
+                              QCOMPILE_GROUPED_MATMUL_BF16_BINDING);
 
 // rows[N,K] f32, w[E,K,Nout] e4m3fn (taken as bytes), scale[E,KB,NB] f32, group_sizes[E]; attrs block_k, block_n -> out.
 #define QCOMPILE_GROUPED_MATMUL_FP8_BINDING            \

@@ -20,11 +20,17 @@
 //     its item near a panel's end), spread one line per k step over all tiles of a block;
 //   * a work item is a run of consecutive panels against a chunk of up to kRowChunk input rows, run on the caller
 //     and XLA's intra-op threads (parallel_items.h); consecutive panels keep the prefetch stream going.
+// bf16 weights (the ...Bf16 entry point, a bf16 checkpoint's panels): each k block of a panel is widened into a
+// per-thread f32 block (8 KiB read, 16 KiB in L1) that the same tiles then read, so memory moves two bytes per weight
+// and no f32 copy of the weight exists; an item of one row tile (decode) widens the panel in registers instead. x and
+// out stay f32 (the rule widens and rounds the activations).
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
+#include "bf16.h"
 #include "parallel_items.h"
 #include "vec16.h"
 #include "xla/ffi/api/ffi.h"
@@ -45,25 +51,29 @@ constexpr int64_t kPrefetchBlocks = 2;   // k blocks prefetched ahead
 constexpr int64_t kRowChunk = 8 * kMr;   // input rows per work item
 constexpr int64_t kItemsPerThread = 4;   // panel runs per thread and row chunk (balance against prefetch streams)
 
-// Panel lines to prefetch while a tile computes: lines [first, first + count) of the run starting at base, `per_step`
-// of them at each k step.
+// Panel lines (64 bytes) to prefetch while a tile computes: lines [first, first + count) of the run starting at
+// base, `per_step` of them at each k step.
 struct Prefetch {
-  const float* base = nullptr;
+  const char* base = nullptr;
   int64_t first = 0, count = 0, per_step = 1;
 };
 
-// out[m, 0:64] (+)= x[m, kb:ke] · panel[kb:ke, 0:64] for m < MR (add: on top of what out holds).
-template <int MR>
-void tile(const float* x, int64_t ldx, const float* panel, int64_t kb, int64_t ke, float* out, int64_t ldo,
+// out[m, 0:64] (+)= x[m, kb:ke] · panel[kb:ke, 0:64] for m < MR (add: on top of what out holds); `block` holds the
+// panel's rows kb..ke-1.
+inline v16 load_w(const float* p) { return load(p); }
+inline v16 load_w(const uint16_t* p) { return qcompile_native::widen16(p); }
+
+template <int MR, class W>
+void tile(const float* x, int64_t ldx, const W* block, int64_t kb, int64_t ke, float* out, int64_t ldo,
           bool add, Prefetch ahead) {
   v16 acc[MR][kNv];
   for (int m = 0; m < MR; ++m)
     for (int v = 0; v < kNv; ++v) acc[m][v] = add ? load(out + m * ldo + 16 * v) : v16{};
   for (int64_t k = kb; k < ke; ++k) {
     for (int64_t l = (k - kb) * ahead.per_step, e = std::min(ahead.count, l + ahead.per_step); l < e; ++l)
-      __builtin_prefetch(ahead.base + (ahead.first + l) * 16, 0, 2);
+      __builtin_prefetch(ahead.base + (ahead.first + l) * 64, 0, 2);
     v16 b[kNv];
-    for (int v = 0; v < kNv; ++v) b[v] = load(panel + k * kPanel + 16 * v);
+    for (int v = 0; v < kNv; ++v) b[v] = load_w(block + (k - kb) * kPanel + 16 * v);
     for (int m = 0; m < MR; ++m) {
       const float a = x[m * ldx + k];
       for (int v = 0; v < kNv; ++v) acc[m][v] += a * b[v];
@@ -73,15 +83,16 @@ void tile(const float* x, int64_t ldx, const float* panel, int64_t kb, int64_t k
     for (int v = 0; v < kNv; ++v) store(out + m * ldo + 16 * v, acc[m][v]);
 }
 
-void tile_rows(int rows, const float* x, int64_t ldx, const float* panel, int64_t kb, int64_t ke, float* out,
+template <class W>
+void tile_rows(int rows, const float* x, int64_t ldx, const W* panel, int64_t kb, int64_t ke, float* out,
                int64_t ldo, bool add, Prefetch ahead) {
   switch (rows) {
-    case 1: tile<1>(x, ldx, panel, kb, ke, out, ldo, add, ahead); break;
-    case 2: tile<2>(x, ldx, panel, kb, ke, out, ldo, add, ahead); break;
-    case 3: tile<3>(x, ldx, panel, kb, ke, out, ldo, add, ahead); break;
-    case 4: tile<4>(x, ldx, panel, kb, ke, out, ldo, add, ahead); break;
-    case 5: tile<5>(x, ldx, panel, kb, ke, out, ldo, add, ahead); break;
-    default: tile<kMr>(x, ldx, panel, kb, ke, out, ldo, add, ahead); break;
+    case 1: tile<1, W>(x, ldx, panel, kb, ke, out, ldo, add, ahead); break;
+    case 2: tile<2, W>(x, ldx, panel, kb, ke, out, ldo, add, ahead); break;
+    case 3: tile<3, W>(x, ldx, panel, kb, ke, out, ldo, add, ahead); break;
+    case 4: tile<4, W>(x, ldx, panel, kb, ke, out, ldo, add, ahead); break;
+    case 5: tile<5, W>(x, ldx, panel, kb, ke, out, ldo, add, ahead); break;
+    default: tile<kMr, W>(x, ldx, panel, kb, ke, out, ldo, add, ahead); break;
   }
 }
 
@@ -90,6 +101,7 @@ struct Job {
   const float* w;
   float* out;
   int64_t t, k, panels, row_chunks, panels_per_item;
+  const uint16_t* w16 = nullptr;  // bf16 panels instead of w
 };
 
 // Item i: panels [pr * panels_per_item, +panels_per_item) against input rows [rc * kRowChunk, +kRowChunk).
@@ -99,32 +111,51 @@ void run_item(const Job& j, int64_t i) {
   const int64_t r0 = rc * kRowChunk, r1 = std::min(j.t, r0 + kRowChunk);
   // Row tiles of near-equal size (32 rows: 6,6,5,5,5,5): a short tile reads the panel as often as a full one.
   const int64_t tiles = (r1 - r0 + kMr - 1) / kMr;
-  const int64_t n = j.panels * kPanel, run_end = p1 * j.k * kPanel;  // floats of the item's panels
+  const int64_t elem = j.w16 != nullptr ? 2 : 4;  // bytes per weight
+  const char* base = j.w16 != nullptr ? reinterpret_cast<const char*>(j.w16) : reinterpret_cast<const char*>(j.w);
+  const int64_t n = j.panels * kPanel, run_end = p1 * j.k * kPanel * elem;  // bytes of the item's panels
+  thread_local std::vector<float> widened;  // bf16: the k block of the panel, in f32
+  if (j.w16 != nullptr) widened.resize(kKc * kPanel);
   for (int64_t p = p0; p < p1; ++p) {
-    const float* panel = j.w + p * j.k * kPanel;
     for (int64_t kb = 0; kb < j.k; kb += kKc) {
       const int64_t ke = std::min(j.k, kb + kKc);
+      const float* block = j.w + (p * j.k + kb) * kPanel;
+      const uint16_t* block16 = nullptr;  // bf16 read in place by a single row tile
+      if (j.w16 != nullptr && r1 - r0 <= kMr) {
+        block16 = j.w16 + (p * j.k + kb) * kPanel;
+      } else if (j.w16 != nullptr) {
+        qcompile_native::widen(j.w16 + (p * j.k + kb) * kPanel, widened.data(), (ke - kb) * kPanel);
+        block = widened.data();
+      }
       // The block kPrefetchBlocks ahead, in this item's panels only: its lines, split over the tiles.
-      const int64_t ahead = p * j.k * kPanel + (kb + kPrefetchBlocks * kKc) * kPanel;
-      const int64_t lines = std::max<int64_t>(0, std::min(kKc * kPanel, run_end - ahead)) / 16;
+      const int64_t ahead = (p * j.k * kPanel + (kb + kPrefetchBlocks * kKc) * kPanel) * elem;
+      const int64_t lines = std::max<int64_t>(0, std::min(kKc * kPanel * elem, run_end - ahead)) / 64;
       for (int64_t i = 0; i < tiles; ++i) {
         const int64_t r = r0 + (r1 - r0) * i / tiles, r_end = r0 + (r1 - r0) * (i + 1) / tiles;
         const int64_t l0 = lines * i / tiles, l1 = lines * (i + 1) / tiles;
         const int64_t per_step = (l1 - l0 + (ke - kb) - 1) / (ke - kb);
-        tile_rows(static_cast<int>(r_end - r), j.x + r * j.k, j.k, panel, kb, ke, j.out + r * n + p * kPanel, n,
-                  kb > 0, Prefetch{j.w + ahead, l0, l1 - l0, per_step});
+        const Prefetch pf{base + ahead, l0, l1 - l0, per_step};
+        if (block16 != nullptr)
+          tile_rows(static_cast<int>(r_end - r), j.x + r * j.k, j.k, block16, kb, ke, j.out + r * n + p * kPanel, n,
+                    kb > 0, pf);
+        else
+          tile_rows(static_cast<int>(r_end - r), j.x + r * j.k, j.k, block, kb, ke, j.out + r * n + p * kPanel, n,
+                    kb > 0, pf);
       }
     }
   }
 }
 
-ffi::Error LinearPanelsF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                           ffi::ResultBuffer<ffi::F32> out) {
+ffi::Error Run(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::ResultBuffer<ffi::F32> out) {
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 3 || wd[1] != xd[1] || wd[2] != kPanel)
-    return ffi::Error::InvalidArgument("qcompile linear_panels: expected x[T,K], w[P,K,64]");
-  Job job{x.typed_data(), w.typed_data(), out->typed_data(), xd[0], xd[1], wd[0], 0, 1};
+  const bool bf16 = w.element_type() == ffi::DataType::BF16;
+  if (xd.size() != 2 || wd.size() != 3 || wd[1] != xd[1] || wd[2] != kPanel ||
+      (!bf16 && w.element_type() != ffi::DataType::F32))
+    return ffi::Error::InvalidArgument("qcompile linear_panels: expected x[T,K] f32, w[P,K,64] f32 or bf16");
+  Job job{x.typed_data(), bf16 ? nullptr : static_cast<const float*>(w.untyped_data()), out->typed_data(), xd[0],
+          xd[1], wd[0], 0, 1};
+  if (bf16) job.w16 = static_cast<const uint16_t*>(w.untyped_data());
   if (job.t == 0 || job.panels == 0) return ffi::Error::Success();
   if (job.k == 0) {
     std::memset(job.out, 0, sizeof(float) * job.t * job.panels * kPanel);
@@ -138,11 +169,25 @@ ffi::Error LinearPanelsF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
   return ffi::Error::Success();
 }
 
+ffi::Error LinearPanelsF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
+                           ffi::ResultBuffer<ffi::F32> out) {
+  if (w.element_type() != ffi::DataType::F32)
+    return ffi::Error::InvalidArgument("qcompile linear_panels f32: expected f32 panels");
+  return Run(pool, x, w, out);
+}
+
+ffi::Error LinearPanelsBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
+                            ffi::ResultBuffer<ffi::F32> out) {
+  if (w.element_type() != ffi::DataType::BF16)
+    return ffi::Error::InvalidArgument("qcompile linear_panels bf16: expected bf16 panels");
+  return Run(pool, x, w, out);
+}
+
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(QcompileLinearPanelsF32, LinearPanelsF32,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+// x[T,K] f32, w[P,K,64] (f32, or bf16 for the second entry point) -> out[T,P*64] f32
+#define QCOMPILE_LINEAR_PANELS_BINDING \
+  ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::F32>>().Arg<ffi::AnyBuffer>().Ret<ffi::Buffer<ffi::F32>>()
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QcompileLinearPanelsF32, LinearPanelsF32, QCOMPILE_LINEAR_PANELS_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QcompileLinearPanelsBf16, LinearPanelsBf16, QCOMPILE_LINEAR_PANELS_BINDING);
