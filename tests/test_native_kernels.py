@@ -343,3 +343,89 @@ def test_moe_dispatch_and_combine_across_work_items():
     out = jax.jit(routes.combine_native)(got[0], got[2], weights)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=0, atol=REL * np.abs(np.asarray(ref)).max())
     np.testing.assert_allclose(np.asarray(out)[3], (weights[3, :, None] * x[3]).sum(0), rtol=1e-5, atol=1e-5)
+
+
+def test_moe_combine_in_bf16_rounds_each_product_as_the_model_does():
+    """bf16 rows and weights: each product rounded to bf16 (as Hugging Face's bf16 multiply does, and as moe_combine's
+    contract says), summed over the k routes in f32 in route order, rounded once: equal to that computed in NumPy,
+    element for element. (XLA CPU runs the reference rule with the products' rounding fused away: 2844 of 7200
+    outputs differ from it by one bf16 step here — both within the bf16 bound.)"""
+    import ml_dtypes
+
+    rng = np.random.default_rng(5)
+    tokens, top_k, hidden = 100, 8, 72
+    rows = rng.standard_normal((tokens * top_k, hidden)).astype(ml_dtypes.bfloat16)
+    order = rng.permutation(tokens * top_k).astype(np.int32)
+    weights = rng.uniform(0.05, 1.0, (tokens, top_k)).astype(ml_dtypes.bfloat16)
+    got = np.asarray(jax.jit(routes.combine_native)(rows, order, weights))
+    assert got.dtype == ml_dtypes.bfloat16
+    routed = rows.astype(np.float32)[np.argsort(order)].reshape(tokens, top_k, hidden)
+    products = (routed * weights.astype(np.float32)[:, :, None]).astype(ml_dtypes.bfloat16).astype(np.float32)
+    want = np.zeros((tokens, hidden), np.float32)
+    for j in range(top_k):
+        want = want + products[:, j]
+    np.testing.assert_array_equal(got.astype(np.float32), want.astype(ml_dtypes.bfloat16).astype(np.float32))
+
+
+amx = pytest.mark.skipif(not native.amx_bf16(), reason="this CPU has no AMX bf16 tiles (or the OS refuses them)")
+
+
+@amx
+def test_amx_linear_matches_float64_oracle_with_row_tails():
+    """bf16 activations and panels on AMX tiles: 32-row blocks with a zero-padded tail (37, 100 rows), K = 32..1024
+    (multiples of 32), one to many panels, against float64 products of the same bf16 values. f32 accumulation over
+    K ≤ 1024: ≤ 1e-5 relative before the result is rounded to bf16; a wrong VNNI pairing, a dropped k step or a tail
+    row written from the padding would be off by far more."""
+    from qcompile.kernels import linear as lin
+
+    rng = np.random.default_rng(31)
+    call = jax.jit(lambda x, w: jax.ffi.ffi_call(lin.NATIVE_PANELS_AMX, jax.ShapeDtypeStruct(
+        (x.shape[0], w.shape[0] * w.shape[2]), jnp.float32))(x, w))
+    assert native.ensure(lin.NATIVE_PANELS_AMX)
+    for rows, k, panels in ((32, 32, 1), (37, 64, 2), (100, 96, 3), (64, 1024, 16), (256, 256, 5), (300, 128, 1)):
+        x = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
+        w = jnp.asarray(rng.standard_normal((panels * lin.PANEL, k)), jnp.bfloat16)
+        want = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
+        got = np.asarray(call(x, lin.pack_panels(w)))
+        err = np.abs(got - want).max() / np.abs(want).max()
+        assert err <= REL, f"{rows} rows, K {k}, {panels} panels: {err:.2e}"
+    text = jax.jit(lin.linear_panels_cpu).lower(jnp.ones((32, 64), jnp.bfloat16),
+                                                lin.pack_panels(jnp.ones((64, 64), jnp.bfloat16))).as_text()
+    assert lin.NATIVE_PANELS_AMX in text  # the rule takes it from 32 bf16 rows on; fewer rows widen in registers
+    text = jax.jit(lin.linear_panels_cpu).lower(jnp.ones((8, 64), jnp.bfloat16),
+                                                lin.pack_panels(jnp.ones((64, 64), jnp.bfloat16))).as_text()
+    assert lin.NATIVE_PANELS_AMX not in text and lin.NATIVE_PANELS_BF16 in text
+
+
+@amx
+@pytest.mark.parametrize("swiglu", [False, True])
+def test_amx_grouped_matmul_matches_float64_oracle(swiglu):
+    """bf16 rows and experts on AMX tiles: groups of 0-79 rows (short ones padded to a 32-row block, long ones in
+    items of 256), negative and overlong group sizes clipped, rows past the groups 0; the SwiGLU epilogue on the f32
+    products. Bound as the linear's, on the f32 result."""
+    rng = np.random.default_rng(41)
+    for case in range(8):
+        experts, k, nout = int(rng.integers(1, 6)), int(rng.choice([32, 64, 96])), int(rng.choice([64, 128]))
+        n = 32 * experts + int(rng.integers(0, 50))
+        gs = rng.integers(-2, 80, experts).astype(np.int32)
+        rows = jnp.asarray(rng.standard_normal((n, k)), jnp.bfloat16)
+        w = jnp.asarray(rng.standard_normal((experts, k, nout)), jnp.bfloat16)
+        assert gm._amx(rows, w, swiglu)
+        call = jax.ffi.ffi_call(gm.NATIVE_SWIGLU_AMX if swiglu else gm.NATIVE_AMX,
+                                jax.ShapeDtypeStruct((n, nout // 2 if swiglu else nout), jnp.float32))
+        got = np.asarray(jax.jit(call)(rows, w, jnp.asarray(gs)), np.float64)
+        want, total = oracle(rows, w, gs)
+        if swiglu:
+            half = nout // 2
+            want = want[:, :half] / (1 + np.exp(-want[:, :half])) * want[:, half:]
+        if total:
+            err = np.abs(got[:total] - want[:total]).max() / np.abs(want[:total]).max()
+            assert err <= REL, f"case {case}: groups {gs}, K {k}, Nout {nout}: {err:.2e}"
+        assert not got[total:].any(), f"case {case}: rows past the groups must be 0"
+    # the rule: AMX from 32 rows per expert on average (prefill), the bf16 FMA kernel below (decode)
+    w = jnp.ones((4, 64, 64), jnp.bfloat16)
+    rule = gm.grouped_matmul_swiglu_cpu if swiglu else gm.grouped_matmul_cpu
+    prefill = jax.jit(rule).lower(jnp.ones((128, 64), jnp.bfloat16), w, jnp.full((4,), 32, jnp.int32)).as_text()
+    decode = jax.jit(rule).lower(jnp.ones((16, 64), jnp.bfloat16), w, jnp.full((4,), 4, jnp.int32)).as_text()
+    assert (gm.NATIVE_SWIGLU_AMX if swiglu else gm.NATIVE_AMX) in prefill
+    assert "amx" not in decode and (gm.NATIVE_SWIGLU_BF16 if swiglu else gm.NATIVE_BF16) in decode

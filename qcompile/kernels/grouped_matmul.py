@@ -311,6 +311,8 @@ def grouped_matmul_cpu(rows, w, group_sizes):
         w = w.dequantize()
     if rows.dtype == jnp.float32 and w.dtype == jnp.float32 and native.ensure(NATIVE_F32):
         return grouped_matmul_native(rows, w, group_sizes)
+    if _amx(rows, w, swiglu=False):
+        return grouped_matmul_amx(rows, w, group_sizes, swiglu=False)
     if _bf16_native(rows, w) and native.ensure(NATIVE_BF16):
         return grouped_matmul_bf16_native(rows, w, group_sizes, swiglu=False)
     return grouped_matmul_jnp(rows, w, group_sizes)
@@ -320,8 +322,30 @@ NATIVE_BF16 = "qcompile_grouped_matmul_bf16"
 NATIVE_SWIGLU_BF16 = "qcompile_grouped_matmul_swiglu_bf16"
 
 
+NATIVE_AMX = "qcompile_grouped_matmul_amx"
+NATIVE_SWIGLU_AMX = "qcompile_grouped_matmul_swiglu_amx"
+AMX_MIN_ROWS_PER_EXPERT = 32  # AMX computes 32-row blocks: from 32 rows per expert on average (prefill-sized)
+
+
 def _bf16_native(rows, w) -> bool:
     return w.dtype == jnp.bfloat16 and rows.dtype in (jnp.float32, jnp.bfloat16)
+
+
+def _amx(rows, w, swiglu: bool) -> bool:
+    """bf16 rows and weights on a CPU with AMX tiles, K % 32 == 0, Nout % 64 == 0, at prefill-sized row counts."""
+    return (rows.dtype == w.dtype == jnp.bfloat16 and rows.shape[1] % 32 == 0 and w.shape[2] % 64 == 0
+            and rows.shape[0] >= AMX_MIN_ROWS_PER_EXPERT * w.shape[0]
+            and native.amx_bf16() and native.ensure(NATIVE_SWIGLU_AMX if swiglu else NATIVE_AMX))
+
+
+def grouped_matmul_amx(rows, w, group_sizes, swiglu: bool):
+    """bf16 rows times a bf16 checkpoint's experts on AMX tiles (kernels/native/amx_bf16.cc): each work item repacks
+    its expert's weights into the tiles' pair-interleaved layout and multiplies 32-row blocks, f32 accumulation;
+    the result rounded once to bf16. Call only when `_amx` is True."""
+    n, nout = rows.shape[0], w.shape[2]
+    width = nout // 2 if swiglu else nout
+    call = jax.ffi.ffi_call(NATIVE_SWIGLU_AMX if swiglu else NATIVE_AMX, jax.ShapeDtypeStruct((n, width), jnp.float32))
+    return call(rows, w, group_sizes.astype(jnp.int32)).astype(rows.dtype)
 
 
 def grouped_matmul_bf16_native(rows, w, group_sizes, swiglu: bool):
@@ -384,6 +408,8 @@ def grouped_matmul_swiglu_cpu(rows, w, group_sizes):
         w = w.dequantize()
     if rows.dtype == jnp.float32 and w.dtype == jnp.float32 and native.ensure(NATIVE_SWIGLU_F32):
         return grouped_matmul_swiglu_native(rows, w, group_sizes)
+    if _amx(rows, w, swiglu=True):
+        return grouped_matmul_amx(rows, w, group_sizes, swiglu=True)
     if _bf16_native(rows, w) and native.ensure(NATIVE_SWIGLU_BF16):
         return grouped_matmul_bf16_native(rows, w, group_sizes, swiglu=True)
     return swiglu_halves(grouped_matmul_jnp(rows, w, group_sizes))

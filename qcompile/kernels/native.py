@@ -52,6 +52,9 @@ KERNELS = {
     "qcompile_linear_fp8": ("linear_f32.cc", "QcompileLinearFp8"),
     "qcompile_linear_panels_f32": ("linear_panels_f32.cc", "QcompileLinearPanelsF32"),
     "qcompile_linear_panels_bf16": ("linear_panels_f32.cc", "QcompileLinearPanelsBf16"),
+    "qcompile_linear_panels_amx": ("amx_bf16.cc", "QcompileLinearPanelsAmx"),
+    "qcompile_grouped_matmul_amx": ("amx_bf16.cc", "QcompileGroupedMatmulAmx"),
+    "qcompile_grouped_matmul_swiglu_amx": ("amx_bf16.cc", "QcompileGroupedMatmulSwigluAmx"),
     "qcompile_gdn_recurrent_f32": ("gdn_recurrent_f32.cc", "QcompileGdnRecurrentF32"),
     "qcompile_gdn_recurrent_bf16_state": ("gdn_recurrent_f32.cc", "QcompileGdnRecurrentBf16State"),
     "qcompile_gdn_fused_f32": ("gdn_fused_f32.cc", "QcompileGdnFusedF32"),
@@ -59,6 +62,7 @@ KERNELS = {
     "qcompile_zero_slot": ("zero_slot.cc", "QcompileZeroSlot"),
     "qcompile_moe_dispatch": ("moe_routes.cc", "QcompileMoeDispatch"),
     "qcompile_moe_combine_f32": ("moe_routes.cc", "QcompileMoeCombineF32"),
+    "qcompile_moe_combine_bf16": ("moe_routes.cc", "QcompileMoeCombineBf16"),
 }
 
 _registered: dict[str, bool] = {}
@@ -151,6 +155,26 @@ def ensure(name: str) -> bool:
                   file=sys.stderr)
     _registered[name] = ok
     return ok
+
+
+_amx: list[bool] = []
+
+
+def amx_bf16() -> bool:
+    """Whether this CPU has AMX bf16 tiles and the OS lets this process use them (Linux: arch_prctl
+    ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA, process-wide, asked once). The AMX kernels are used only then."""
+    if not _amx:
+        ok = False
+        try:
+            flags = set(" ".join(ln for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                                 if ln.startswith("flags")).split())
+            if {"amx_tile", "amx_bf16"} <= flags and platform.machine() == "x86_64":
+                libc = ctypes.CDLL(None, use_errno=True)
+                ok = libc.syscall(158, 0x1023, 18) == 0  # SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
+        except (OSError, AttributeError):
+            ok = False
+        _amx.append(ok)
+    return _amx[0]
 
 
 def status(name: str) -> str:

@@ -18,7 +18,7 @@ from qcompile.kernels.grouped_matmul import (grouped_matmul_cpu, grouped_matmul_
                                              grouped_matmul_swiglu_reference)
 from qcompile.kernels import native
 from qcompile.kernels.fp8 import QuantizedWeight, materialized
-from qcompile.kernels.moe_routes import NATIVE_COMBINE_F32, NATIVE_DISPATCH, combine_native, dispatch_native
+from qcompile.kernels.moe_routes import NATIVE_DISPATCH, combine_kernel, combine_native, dispatch_native
 from qcompile.kernels.pallas_gmm import fp8_tiles_fit, gmm_fp8_tpu, gmm_swiglu_tpu
 from qcompile.ir.types import TensorType, dim_mul
 
@@ -180,9 +180,10 @@ def _combine(op_, rows, order, weights):
 
 @lowering(MoeCombine, "cpu")
 def _combine_cpu(op_, rows, order, weights):
-    """Each routed row read once where it lies, each token written once (kernels/moe_routes.py): f32 only (bf16
-    rounds each product to bf16 as the reference does)."""
-    if rows.dtype == jnp.float32 and weights.dtype == jnp.float32 and native.ensure(NATIVE_COMBINE_F32):
+    """Each routed row read once where it lies, each token written once (kernels/moe_routes.py): f32, or bf16 with
+    each product rounded to bf16 as the reference rounds it."""
+    kernel = combine_kernel(rows, weights)
+    if kernel is not None and native.ensure(kernel):
         return combine_native(rows, order, weights)
     return _combine(op_, rows, order, weights)
 

@@ -55,6 +55,7 @@ constexpr int64_t kNr = 16 * kNv;       // columns per panel
 constexpr int64_t kPrefetchRows = 16;   // weight rows prefetched ahead within a panel
 constexpr int64_t kSlabFloats = 65536;  // k block: kc = kSlabFloats / Nout (>= 16) weight rows (256 KiB) per slab
 constexpr int64_t kRowChunk = 8 * kMr;  // rows per work item
+constexpr int64_t kRowChunkWidened = 4 * kRowChunk;  // bf16: rows per item (each item widens its expert's slabs once)
 constexpr int64_t kFewRows = 2 * kMr;   // items of at most this many rows walk a slab in sub-blocks of
 constexpr int64_t kFewRowsSub = kPrefetchRows;  // this many weight rows
 
@@ -201,7 +202,8 @@ void run_item(const Job& j, const Item& it) {
     product(j, it, j.out + it.row0 * j.nout, j.nout);
     return;
   }
-  // The [rows, nout] product goes to a per-item scratch (≤ kRowChunk rows: L2-resident), then the epilogue.
+  // The [rows, nout] product goes to a per-item scratch (≤ kRowChunk rows, 4x for bf16: L2-resident), then the
+  // epilogue.
   std::vector<float> y(static_cast<size_t>(it.rows * j.nout));
   product(j, it, y.data(), j.nout);
   const int64_t half = j.nout / 2;
@@ -230,7 +232,8 @@ ffi::Error Launch(ffi::ThreadPool pool, std::shared_ptr<Job> job, int64_t n, int
   int64_t row = 0;
   for (int64_t e = 0; e < experts; ++e) {
     const int64_t g = std::min<int64_t>(std::max<int64_t>(gs[e], 0), n - row);
-    for (int64_t r = 0; r < g; r += kRowChunk) job->items.push_back({e, row + r, std::min(kRowChunk, g - r)});
+    const int64_t chunk = job->w16 != nullptr ? kRowChunkWidened : kRowChunk;
+    for (int64_t r = 0; r < g; r += chunk) job->items.push_back({e, row + r, std::min(chunk, g - r)});
     row += g;
   }
   if (row < n) std::memset(job->out + row * width, 0, sizeof(float) * (n - row) * width);

@@ -8,7 +8,8 @@
 // x[order[r] / k] (a copy: any element type, moved as bytes), and group_sizes[e] the routes of expert e (ids outside
 // [0, E) are not counted: the grouped matmul then returns 0 for their rows past the groups).
 // Combine: rows[T*k,H] (sorted as dispatch left them), order i32[T*k], weights[T,k] -> out[T,H] =
-// sum_j weights[t,j] * rows[r(t,j)], with r(t,j) the sorted row that route t*k+j became (order inverted once), f32.
+// sum_j weights[t,j] * rows[r(t,j)], with r(t,j) the sorted row that route t*k+j became (order inverted once): f32,
+// or bf16 as the reference rounds it (each product rounded to bf16, the sum in f32, the result rounded once).
 //
 // Why: XLA CPU runs these as a sort, a bincount scatter, a row gather with a bounds select, and for combine a zero
 // fill plus a scatter of every row back to route order: ~24 ms per MoE layer at 1024 tokens x top-8 (8192 rows of
@@ -23,6 +24,7 @@
 #include <memory>
 #include <vector>
 
+#include "bf16.h"
 #include "parallel_items.h"
 #include "vec16.h"
 #include "xla/ffi/api/ffi.h"
@@ -70,6 +72,54 @@ ffi::Error Dispatch(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S32
   return ffi::Error::Success();
 }
 
+// where[i]: the sorted row route i became (order is a permutation of the routes; an index outside it reads 0).
+std::shared_ptr<std::vector<int64_t>> routes_of(const int32_t* ord, int64_t n) {
+  auto where = std::make_shared<std::vector<int64_t>>(n, -1);
+  for (int64_t r = 0; r < n; ++r)
+    if (ord[r] >= 0 && ord[r] < n) (*where)[ord[r]] = r;
+  return where;
+}
+
+bool combine_shapes(const ffi::AnyBuffer& rows, const ffi::Buffer<ffi::S32>& order, const ffi::AnyBuffer& weights) {
+  const auto rd = rows.dimensions();
+  const auto wd = weights.dimensions();
+  return rd.size() == 2 && wd.size() == 2 && order.dimensions().size() == 1 && order.dimensions()[0] == rd[0] &&
+         rd[0] == wd[0] * wd[1];
+}
+
+ffi::Error CombineBf16(ffi::ThreadPool pool, ffi::AnyBuffer rows, ffi::Buffer<ffi::S32> order, ffi::AnyBuffer weights,
+                       ffi::Result<ffi::AnyBuffer> out) {
+  if (!combine_shapes(rows, order, weights) || rows.element_type() != ffi::DataType::BF16 ||
+      weights.element_type() != ffi::DataType::BF16 || out->element_type() != ffi::DataType::BF16)
+    return ffi::Error::InvalidArgument("qcompile moe combine bf16: expected rows[T*k,H], order[T*k], weights[T,k]");
+  const int64_t tokens = weights.dimensions()[0], k = weights.dimensions()[1], h = rows.dimensions()[1];
+  if (tokens == 0 || h == 0) return ffi::Error::Success();
+  auto where = routes_of(order.typed_data(), rows.dimensions()[0]);
+  const uint16_t* src = static_cast<const uint16_t*>(rows.untyped_data());
+  const uint16_t* w = static_cast<const uint16_t*>(weights.untyped_data());
+  uint16_t* dst = static_cast<uint16_t*>(out->untyped_data());
+  qcompile_native::parallel_items(pool, (tokens + kCombineTokens - 1) / kCombineTokens, [=](int64_t item) {
+    std::vector<float> acc(h), product(h), wide(h);
+    for (int64_t t = item * kCombineTokens, end = std::min(tokens, t + kCombineTokens); t < end; ++t) {
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t j = 0; j < k; ++j) {
+        const int64_t r = (*where)[t * k + j];
+        if (r < 0) continue;
+        float wt;
+        qcompile_native::widen(w + t * k + j, &wt, 1);
+        qcompile_native::widen(src + r * h, wide.data(), h);
+        for (int64_t c = 0; c < h; ++c) product[c] = wide[c] * wt;
+        uint16_t* rounded = reinterpret_cast<uint16_t*>(wide.data());  // the product in bf16, as the reference has it
+        qcompile_native::narrow(product.data(), rounded, h);
+        qcompile_native::widen(rounded, product.data(), h);
+        for (int64_t c = 0; c < h; ++c) acc[c] += product[c];
+      }
+      qcompile_native::narrow(acc.data(), dst + t * h, h);
+    }
+  });
+  return ffi::Error::Success();
+}
+
 ffi::Error CombineF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> rows, ffi::Buffer<ffi::S32> order,
                       ffi::Buffer<ffi::F32> weights, ffi::ResultBuffer<ffi::F32> out) {
   const auto rd = rows.dimensions();
@@ -79,11 +129,7 @@ ffi::Error CombineF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> rows, ffi::Buf
     return ffi::Error::InvalidArgument("qcompile moe combine: expected rows[T*k,H], order[T*k], weights[T,k]");
   const int64_t tokens = wd[0], k = wd[1], h = rd[1], n = rd[0];
   if (tokens == 0 || h == 0) return ffi::Error::Success();
-  // where[i]: the sorted row route i became (order is a permutation of the routes; an index outside it reads 0).
-  auto where = std::make_shared<std::vector<int64_t>>(n, -1);
-  const int32_t* ord = order.typed_data();
-  for (int64_t r = 0; r < n; ++r)
-    if (ord[r] >= 0 && ord[r] < n) (*where)[ord[r]] = r;
+  auto where = routes_of(order.typed_data(), n);
   const float* src = rows.typed_data();
   const float* w = weights.typed_data();
   float* dst = out->typed_data();
@@ -115,6 +161,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(QcompileMoeDispatch, Dispatch,
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QcompileMoeCombineBf16, CombineBf16,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QcompileMoeCombineF32, CombineF32,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
