@@ -82,15 +82,18 @@ def deep_bf16(tmp_path_factory):
 
 def test_a_deep_bf16_graph_is_checked_against_its_own_noise(deep_bf16):
     """The unoptimized graph on cpu rules fails the fixed bf16 bound against itself on reference rules (so
-    `compile --passes none` failed); with the bound at 3 x its noise, it and swiglu-fusion pass."""
+    `compile --passes none` failed); with the bound at 3 x its noise (capped), it and swiglu-fusion pass. (Measured
+    noise: 3.8e-2 while the bf16 cpu rules were mostly XLA running the reference's own dots; 0.18 since the native
+    bf16 kernels sum in their own order — a bf16 flip in layer 0's experts reroutes tokens downstream.)"""
     graph, checker = deep_bf16
     assert graph.meta["dtype"] == "bf16" and checker.noise.error > TARGET_RULES["bf16"]
     assert not compare(checker.reference_outputs, checker.outputs(graph), TARGET_RULES["bf16"]).ok
     result = run_pipeline(graph, [SWIGLU_FUSION], PassContext(), checker=checker)
     check = result.records[0].check
     assert result.records[0].status == "applied" and check["ok"] and check["class_bound"] == REASSOCIATING["bf16"]
-    assert check["bound"] == pytest.approx(NOISE_FACTOR * checker.noise.error)
-    assert result.final_check.ok and result.final_check.bound == pytest.approx(NOISE_FACTOR * checker.noise.error)
+    widened = min(NOISE_CAP, NOISE_FACTOR * checker.noise.error)
+    assert check["bound"] == pytest.approx(widened)
+    assert result.final_check.ok and result.final_check.bound == pytest.approx(widened)
 
 
 def test_a_wrong_rewrite_still_fails_at_the_widened_bound(deep_bf16):

@@ -18,8 +18,10 @@ the greedy tokens differ).
 In a bf16 (or f16) graph every non-exact check's bound is at least NOISE_FACTOR times the unoptimized graph's own
 rounding noise (`Noise`: the graph on its target's rules against the reference rules, on the check batch, measured
 once per checker; a checker on the reference rules has none), capped at NOISE_CAP. A bf16 graph of some depth is further from itself than bf16's reassociating
-1e-2 (8 layers of 64 experts top-8: 3.8e-2; the bench preset in bf16: 5.8e-2, where `compile --passes none` failed
-its own final check), because bf16 rounding flips MoE routes for a few tokens per layer (design.md §5), and a rewrite
+1e-2 (8 layers of 64 experts top-8: 0.18; the bench preset in bf16: 0.18 — 3.8e-2 and 5.8e-2 while the bf16 cpu rules
+were mostly XLA running the reference's own dots, before the native bf16 kernels, which sum in their own order;
+`compile --passes none` then failed its own final check), because bf16 rounding flips MoE routes for a few tokens per
+layer (design.md §5), and a rewrite
 can only be held to what reordering the arithmetic does anyway. The probe runs the target's rules, so a wrong target
 rule would widen its own check: the cap keeps a gross error (O(1)) failing, and f32 graphs — where the target rules
 are held to 5e-5 — are never widened. What a bf16 check at that depth cannot see, an f32 check of the same pass and

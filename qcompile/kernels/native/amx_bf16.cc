@@ -6,7 +6,8 @@
 // Linear: out[T, P*64] f32 = x[T, K] bf16 · w, with w[P, K, 64] bf16 the [N, K] weight in column panels (the layout
 // of linear_panels_f32.cc). Grouped matmul: out[N, Nout] f32 = rows[N, K] bf16 · w[e(r)] with w[E, K, Nout] bf16,
 // rows sorted by expert in groups of group_sizes[E] (grouped_matmul_f32.cc's contract: rows past the groups come back
-// 0); the SwiGLU entry point returns silu(y[:, :I]) * y[:, I:] of the product y, I = Nout / 2, from the f32 products.
+// 0). (No SwiGLU epilogue: on bf16 the rule rounds the product and takes the halves as the reference does —
+// kernels/grouped_matmul.py says why.)
 // TDPBF16PS multiplies bf16 pairs exactly and accumulates in f32 (the reassociating class of a dot; like every AMX
 // bf16 product, denormal inputs count as zero).
 //
@@ -34,7 +35,6 @@
 #include <unistd.h>
 
 #include "parallel_items.h"
-#include "vec16.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -179,7 +179,6 @@ struct GroupJob {
   const uint16_t* w;
   float* out;
   int64_t k, nout;
-  bool swiglu;
   std::vector<GroupItem> items;
 };
 
@@ -213,27 +212,12 @@ void run_group_item(const GroupJob& j, const GroupItem& it) {
   TileConfig config;
   for (int t = 0; t < 8; ++t) config.rows[t] = 16, config.colsb[t] = 64;
   _tile_loadconfig(&config);
-  if (!j.swiglu) {
-    group_product(j, it, j.out + it.row0 * j.nout, j.nout);
-  } else {
-    thread_local std::vector<float> y;
-    y.resize(static_cast<size_t>(it.rows * j.nout));
-    group_product(j, it, y.data(), j.nout);
-    const int64_t half = j.nout / 2;  // a multiple of 32
-    for (int64_t r = 0; r < it.rows; ++r) {
-      const float* yr = y.data() + r * j.nout;
-      float* o = j.out + (it.row0 + r) * half;
-      for (int64_t c = 0; c < half; c += 16) {
-        const qcompile_native::v16 g = qcompile_native::load(yr + c);
-        qcompile_native::store(o + c, g / (1.0f + qcompile_native::exp16(-g)) * qcompile_native::load(yr + half + c));
-      }
-    }
-  }
+  group_product(j, it, j.out + it.row0 * j.nout, j.nout);
   _tile_release();
 }
 
 ffi::Error GroupedMatmulAmx(ffi::ThreadPool pool, ffi::AnyBuffer rows, ffi::AnyBuffer w,
-                            ffi::Buffer<ffi::S32> group_sizes, ffi::ResultBuffer<ffi::F32> out, bool swiglu) {
+                            ffi::Buffer<ffi::S32> group_sizes, ffi::ResultBuffer<ffi::F32> out) {
   const auto rd = rows.dimensions();
   const auto wd = w.dimensions();
   const auto gd = group_sizes.dimensions();
@@ -249,8 +233,7 @@ ffi::Error GroupedMatmulAmx(ffi::ThreadPool pool, ffi::AnyBuffer rows, ffi::AnyB
   job->out = out->typed_data();
   job->k = rd[1];
   job->nout = wd[2];
-  job->swiglu = swiglu;
-  const int64_t n = rd[0], width = swiglu ? job->nout / 2 : job->nout;
+  const int64_t n = rd[0], width = job->nout;
   if (job->k == 0) {
     std::memset(job->out, 0, sizeof(float) * n * width);
     return ffi::Error::Success();
@@ -275,36 +258,22 @@ ffi::Error LinearPanelsAmx(ffi::ThreadPool, ffi::AnyBuffer, ffi::AnyBuffer, ffi:
 }
 
 ffi::Error GroupedMatmulAmx(ffi::ThreadPool, ffi::AnyBuffer, ffi::AnyBuffer, ffi::Buffer<ffi::S32>,
-                            ffi::ResultBuffer<ffi::F32>, bool) {
+                            ffi::ResultBuffer<ffi::F32>) {
   return ffi::Error(ffi::ErrorCode::kUnavailable, "qcompile grouped matmul amx: built for a CPU without AMX");
 }
 
 #endif
 
-ffi::Error GroupedMatmulPlainAmx(ffi::ThreadPool pool, ffi::AnyBuffer rows, ffi::AnyBuffer w,
-                                 ffi::Buffer<ffi::S32> group_sizes, ffi::ResultBuffer<ffi::F32> out) {
-  return GroupedMatmulAmx(pool, rows, w, group_sizes, out, false);
-}
-
-ffi::Error GroupedMatmulSwigluAmx(ffi::ThreadPool pool, ffi::AnyBuffer rows, ffi::AnyBuffer w,
-                                  ffi::Buffer<ffi::S32> group_sizes, ffi::ResultBuffer<ffi::F32> out) {
-  return GroupedMatmulAmx(pool, rows, w, group_sizes, out, true);
-}
-
 }  // namespace
 
-// rows[N,K] bf16, w[E,K,Nout] bf16, group_sizes[E] -> out f32 ([N,Nout], or [N,Nout/2] for SwiGLU)
-#define QCOMPILE_GROUPED_MATMUL_AMX_BINDING \
-  ffi::Ffi::Bind()                         \
-      .Ctx<ffi::ThreadPool>()              \
-      .Arg<ffi::AnyBuffer>()               \
-      .Arg<ffi::AnyBuffer>()               \
-      .Arg<ffi::Buffer<ffi::S32>>()        \
-      .Ret<ffi::Buffer<ffi::F32>>()
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(QcompileGroupedMatmulAmx, GroupedMatmulPlainAmx, QCOMPILE_GROUPED_MATMUL_AMX_BINDING);
-XLA_FFI_DEFINE_HANDLER_SYMBOL(QcompileGroupedMatmulSwigluAmx, GroupedMatmulSwigluAmx,
-                              QCOMPILE_GROUPED_MATMUL_AMX_BINDING);
+// rows[N,K] bf16, w[E,K,Nout] bf16, group_sizes[E] -> out[N,Nout] f32
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QcompileGroupedMatmulAmx, GroupedMatmulAmx,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QcompileLinearPanelsAmx, LinearPanelsAmx,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()

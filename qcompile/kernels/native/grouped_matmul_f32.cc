@@ -23,7 +23,7 @@
 // FP8 weights (the ...Fp8 entry points: w is e4m3fn bytes [E, K, Nout] with f32 block scales [E, ceil(K/bk),
 // ceil(Nout/bn)]): each k block's [kc, Nout] slab is dequantized into a per-thread buffer (fp8.h) that the same
 // panels then read, so memory moves one byte per weight and the slab is multiplied while it is in L2.
-// bf16 weights (the ...Bf16 entry points, a bf16 checkpoint's experts: w is bf16 [E, K, Nout]): each slab is widened
+// bf16 weights (the ...Bf16 entry point, a bf16 checkpoint's experts: w is bf16 [E, K, Nout]): each slab is widened
 // into the same per-thread buffer the same way (two bytes a weight from memory; items of few rows, at decode, read
 // the bf16 weights where they lie and widen them in registers instead); rows and out stay f32.
 
@@ -292,13 +292,13 @@ ffi::Error RunFp8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> rows, ffi::AnyBuff
   return Launch(pool, job, rd[0], wd[0], group_sizes.typed_data());
 }
 
-ffi::Error RunBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> rows, ffi::AnyBuffer w,
-                   ffi::Buffer<ffi::S32> group_sizes, ffi::ResultBuffer<ffi::F32> out, bool swiglu) {
+ffi::Error GroupedMatmulBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> rows, ffi::AnyBuffer w,
+                             ffi::Buffer<ffi::S32> group_sizes, ffi::ResultBuffer<ffi::F32> out) {
   const auto rd = rows.dimensions();
   const auto wd = w.dimensions();
   const auto gd = group_sizes.dimensions();
   if (w.element_type() != ffi::DataType::BF16 || rd.size() != 2 || wd.size() != 3 || gd.size() != 1 ||
-      wd[1] != rd[1] || gd[0] != wd[0] || (swiglu && wd[2] % 2))
+      wd[1] != rd[1] || gd[0] != wd[0])
     return ffi::Error::InvalidArgument("qcompile grouped matmul bf16: expected rows[N,K] f32, w[E,K,Nout] bf16, "
                                        "group_sizes[E]");
   auto job = std::make_shared<Job>();
@@ -308,18 +308,8 @@ ffi::Error RunBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> rows, ffi::AnyBuf
   job->out = out->typed_data();
   job->k = rd[1];
   job->nout = wd[2];
-  job->swiglu = swiglu;
+  job->swiglu = false;  // bf16 SwiGLU rounds the product first, as the reference does (kernels/grouped_matmul.py)
   return Launch(pool, job, rd[0], wd[0], group_sizes.typed_data());
-}
-
-ffi::Error GroupedMatmulBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> rows, ffi::AnyBuffer w,
-                             ffi::Buffer<ffi::S32> group_sizes, ffi::ResultBuffer<ffi::F32> out) {
-  return RunBf16(pool, rows, w, group_sizes, out, false);
-}
-
-ffi::Error GroupedMatmulSwigluBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> rows, ffi::AnyBuffer w,
-                                   ffi::Buffer<ffi::S32> group_sizes, ffi::ResultBuffer<ffi::F32> out) {
-  return RunBf16(pool, rows, w, group_sizes, out, true);
 }
 
 ffi::Error GroupedMatmulF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> rows, ffi::Buffer<ffi::F32> w,
@@ -368,8 +358,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(QcompileGroupedMatmulSwigluF32, GroupedMatmulSwigl
       .Ret<ffi::Buffer<ffi::F32>>()
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QcompileGroupedMatmulBf16, GroupedMatmulBf16, QCOMPILE_GROUPED_MATMUL_BF16_BINDING);
-XLA_FFI_DEFINE_HANDLER_SYMBOL(QcompileGroupedMatmulSwigluBf16, GroupedMatmulSwigluBf16,
-                              QCOMPILE_GROUPED_MATMUL_BF16_BINDING);
 
 // rows[N,K] f32, w[E,K,Nout] e4m3fn (taken as bytes), scale[E,KB,NB] f32, group_sizes[E]; attrs block_k, block_n -> out.
 #define QCOMPILE_GROUPED_MATMUL_FP8_BINDING            \
