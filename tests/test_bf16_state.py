@@ -244,12 +244,16 @@ def test_the_drift_agreement_counts_near_ties_of_the_reference():
 
 @pytest.mark.slow  # 20 s: a whole `--passes all` compile; the jump and noise rules it relies on are unit-tested above
 def test_bf16_state_on_a_bf16_checkpoint(tmp_path):
-    """`init-tiny --dtype bf16 --seed 9` failed `--passes all` before the lossy check forgave jumps: bf16-state moves
-    one check token's router across a near-tie (its expert set changes at layer 2), so that logits row and its
-    sequence's KV jump while every other row stays within 1.5e-2. Now the check passes and reports the jumps, the
-    bound counts bf16's own noise (lossy 2e-2 + reassociating 1e-2), and the drift decode holds."""
+    """`init-tiny --dtype bf16 --seed 9` failed `--passes all` before the lossy check forgave jumps: bf16-state moved
+    one check token's router across a near-tie (its expert set changed at layer 2), so that logits row and its
+    sequence's KV jumped while every other row stayed within 1.5e-2. The check passes; its bound is the lossy class's
+    (2e-2 + reassociating 1e-2) or, where larger, 3x the graph's own bf16 noise (since the native bf16 kernels sum in
+    their own order, this model's noise is 3.5e-2, and the token no longer jumps past that bound — the jump rules are
+    unit-tested in test_check_noise.py and tests of compare); any jump it reports lies past the bound; the drift
+    decode holds."""
     from qcompile.frontend.tiny import full_config, write_checkpoint
     from qcompile.passes.base import REASSOCIATING
+    from qcompile.passes.equivalence import NOISE_CAP, NOISE_FACTOR
 
     ckpt = Checkpoint.open(write_checkpoint(tmp_path / "m", full_config("tiny", "qwen3_5_moe", "bf16"), seed=9))
     graph = build_graph(ckpt)
@@ -257,8 +261,10 @@ def test_bf16_state_on_a_bf16_checkpoint(tmp_path):
     checker = EquivalenceChecker(graph, load_params(ckpt, graph, progress=False), seed=0, target="cpu")
     result = run_pipeline(graph, [GDN_CONV_FUSION, BF16_STATE], PassContext(), checker=checker)
     check = result.records[1].check
-    assert check["ok"] and check["bound"] == BF16_STATE.lossy_bound + REASSOCIATING["bf16"]
-    assert check["jumps"]["logits"]["rows"] == 1 and check["jumps"]["logits"]["max_error"] > check["bound"]
+    class_bound = BF16_STATE.lossy_bound + REASSOCIATING["bf16"]
+    assert check["ok"] and check["class_bound"] == class_bound
+    assert check["bound"] == pytest.approx(max(class_bound, min(NOISE_CAP, NOISE_FACTOR * checker.noise.error)))
+    assert all(jump["max_error"] > check["bound"] for jump in check["jumps"].values())
     assert 1e-3 < check["max_error"] <= check["bound"] and 0 < check["drift"] <= check["bound"]
     assert check["agreement_outside_ties"] >= BF16_STATE.min_agreement
     assert result.final_check.ok
