@@ -436,3 +436,34 @@ def test_bf16_grouped_matmul_rules_pick_amx_at_prefill(swiglu):
     decode = jax.jit(rule).lower(jnp.ones((16, 64), jnp.bfloat16), w, jnp.full((4,), 4, jnp.int32)).as_text()
     assert gm.NATIVE_AMX in prefill and gm.NATIVE_BF16 not in prefill
     assert gm.NATIVE_AMX not in decode and gm.NATIVE_BF16 in decode
+
+
+def test_kv_cache_write_and_gather_match_jnp_on_edge_indices():
+    """The bf16 cache-row kernels (cache_rows.cc) under the KV write and attention's page reads, against jnp's own
+    scatter and gather, bit for bit, where the index rules bite: empty sequences, padding tokens past
+    query_start[B], positions past the page table (clipped to its last column), negative pages (counted from the
+    end), pages past P (a write drops them, a gather clamps them)."""
+    from qcompile.kernels import cache_rows as rows_
+    from qcompile.kernels import paged_attention as pa
+
+    rng = np.random.default_rng(3)
+    num_pages, ps, hkv, hd, per_seq = 11, 4, 2, 8, 3
+    pages = jnp.asarray(rng.standard_normal((num_pages, ps, hkv, hd)), jnp.bfloat16)
+    kv = jnp.asarray(rng.standard_normal((12, hkv, hd)), jnp.bfloat16)
+    query_start = jnp.asarray([0, 3, 3, 7, 10], jnp.int32)  # sequence 1 is empty; tokens 10, 11 are padding
+    positions = jnp.asarray([0, 5, 13, 2, 3, 4, 30, 1, 6, 9, 0, 1], jnp.int32)
+    page_table = jnp.asarray([[2, 5, 9], [0, 1, 3], [-1, 4, 11], [7, 40, -2]], jnp.int32)
+    want = np.asarray(jax.jit(pa.kv_cache_write_reference)(pages, kv, positions, query_start, page_table))
+    got = np.asarray(jax.jit(pa.kv_cache_write_cpu, donate_argnums=0)(jnp.array(pages), kv, positions, query_start,
+                                                                        page_table))
+    assert not np.array_equal(want, np.asarray(pages))
+    np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
+    hlo = jax.jit(pa.kv_cache_write_cpu, donate_argnums=0).lower(pages, kv, positions, query_start,
+                                                                 page_table).as_text()
+    assert rows_.NATIVE_SCATTER in hlo and "output_operand_aliases" in hlo
+
+    ids = jnp.asarray([[0, 10], [-1, 3], [11, -12], [25, 4]], jnp.int32)
+    got = np.asarray(jax.jit(rows_.page_reader(pages))(ids))
+    want = np.asarray(pages[ids].reshape(4, 2 * ps, hkv, hd).astype(jnp.float32))
+    np.testing.assert_array_equal(got, want)
+    assert rows_.NATIVE_GATHER in jax.jit(rows_.page_reader(pages)).lower(ids).as_text()

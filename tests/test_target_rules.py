@@ -7,12 +7,14 @@ also checked on the user's own graph at compile time (the checker runs target ru
 
 from __future__ import annotations
 
+import re
+
 import jax
 import numpy as np
 import pytest
 
 import qcompile.ir.importer  # noqa: F401  (registers the op catalogue)
-from qcompile.ir.ops.attention import PagedAttention
+from qcompile.ir.ops.attention import KvCacheWrite, PagedAttention
 from qcompile.ir.ops.core import Greedy, Linear, LinearF32, LinearPanels, LinearSwiglu
 from qcompile.ir.ops.gdn import CausalConv1d, GatedDeltaNet, GdnRecurrence
 from qcompile.ir.ops.moe import GroupedMatmul, GroupedMatmulSwiglu, MoeCombine, MoeDispatch
@@ -54,6 +56,12 @@ def _attention_case(rng, batch, dtype):
     q = rng.standard_normal((num_tokens, hq, hd)).astype(dtype)
     return PagedAttention(hd**-0.5, ps), (q, k_pages, v_pages, positions, _ragged(new, num_tokens, max_seqs),
                                           page_table)
+
+
+def _kv_write_case(rng, batch, dtype):
+    op, (q, k_pages, _, positions, query_start, page_table) = _attention_case(rng, batch, dtype)
+    kv = rng.standard_normal((q.shape[0], *k_pages.shape[2:])).astype(dtype)
+    return KvCacheWrite(), (k_pages, kv, positions, query_start, page_table)
 
 
 def _conv_case(rng, batch, dtype):
@@ -195,7 +203,7 @@ def quantized(w, block):
     return (w / expanded).astype(ml_dtypes.float8_e4m3fn), scale
 
 
-CASES = {"paged_attention": _attention_case, "dequantize": _dequantize_case, "causal_conv1d": _conv_case, "gdn_recurrence": _gdn_case,
+CASES = {"paged_attention": _attention_case, "kv_cache_write": _kv_write_case, "dequantize": _dequantize_case, "causal_conv1d": _conv_case, "gdn_recurrence": _gdn_case,
          "linear": _linear_case, "linear_f32": _linear_f32_case, "grouped_matmul": _gmm_case, "greedy": _greedy_case,
          "grouped_matmul_swiglu": _gmm_swiglu_case, "linear_swiglu": _linear_swiglu_case,
          "gated_delta_net": _gdn_fused_case, "linear_panels": _linear_panels_case, "moe_dispatch": _dispatch_case,
@@ -310,6 +318,64 @@ def test_the_native_kernels_read_fp8_weights_as_they_are():
         rows, values, scale, groups).as_text()
     if native.ensure("qcompile_grouped_matmul_swiglu_fp8"):
         assert "qcompile_grouped_matmul_swiglu_fp8" in hlo
+
+
+def _materialised(hlo: str) -> list[str]:
+    """Instructions of the compiled module outside fusion bodies (what allocates and fills a buffer)."""
+    lines, inside_fusion = [], False
+    for line in hlo.splitlines():
+        if line.startswith(("%", "ENTRY")) and line.rstrip().endswith("{"):
+            inside_fusion = line.startswith(("%fused", "%wrapped")) or "_computation" in line.split("(")[0]
+        elif not inside_fusion and " = " in line:
+            lines.append(line.strip())
+    return lines
+
+
+def _assert_cache_not_materialised(hlo: str, shape: tuple, native_on: bool, what: str):
+    """No array of the cache's shape but the bf16 cache itself is filled in the compiled module; with the native
+    kernels not even a bitcast copy of it."""
+    shape = "[" + ",".join(map(str, shape)) + "]"
+    assert "bf16" + shape in hlo
+    made = [(m.group(1), m.group(2), line) for line in _materialised(hlo)
+            if (m := re.match(r"(?:ROOT )?%\S+ = (\(.*?\)|\S+) ([\w\-]+)\(", line))]
+    widened = [line for result, _, line in made if "f32" + shape in result]
+    assert not widened, f"{what}: the compiled step widens the whole cache: {widened[0][:120]}"
+    if native_on:
+        moves = {"parameter", "custom-call", "bitcast", "get-tuple-element", "tuple", "while"}  # no bytes copied
+        copies = [line for result, op, line in made if shape in result and op not in moves]
+        assert not copies, f"{what}: the compiled step copies the whole cache: {copies[0][:120]}"
+
+
+def test_bf16_caches_are_never_widened_or_copied_whole():
+    """XLA CPU float-normalises bf16 scatters and gathers: written plainly, the KV cache write and attention
+    converted every page to f32 (and back) in every step, a cost that follows the cache's capacity (15 of a 75 ms
+    decode step on the bench preset's bf16 checkpoint at max_context 160, 55 of 170 at 2048), and the conv state's
+    update did the same to every slot. The CPU rules move only the rows they name."""
+    import ml_dtypes
+
+    from qcompile.kernels import native
+    from qcompile.kernels.cache_rows import NATIVE_GATHER, NATIVE_SCATTER
+
+    native_on = native.ensure(NATIVE_SCATTER) and native.ensure(NATIVE_GATHER)
+    for batch in BATCHES:
+        op, (q, k_pages, v_pages, positions, query_start, page_table) = _attention_case(
+            np.random.default_rng(0), batch, ml_dtypes.bfloat16)
+        write, attend = lowering_rule(KvCacheWrite, "cpu"), lowering_rule(PagedAttention, "cpu")
+
+        def step(k_pages, v_pages, q, positions, query_start, page_table):
+            k_pages = write(KvCacheWrite(), k_pages, q[:, :2], positions, query_start, page_table)
+            return k_pages, attend(op, q, k_pages, v_pages, positions, query_start, page_table)
+
+        hlo = jax.jit(step, donate_argnums=(0,)).lower(k_pages, v_pages, q, positions, query_start,
+                                                        page_table).compile().as_text()
+        _assert_cache_not_materialised(hlo, k_pages.shape, native_on, f"attention, {batch}")
+
+        conv, (x, state, w, query_start, slots) = _conv_case(np.random.default_rng(0), batch, ml_dtypes.bfloat16)
+        state = np.concatenate([state, state[:5]])  # more slots than sequences: the new columns are not state-shaped
+        slots = np.where(slots >= query_start.shape[0] - 1, state.shape[0], slots).astype(np.int32)
+        hlo = jax.jit(lambda *args: lowering_rule(CausalConv1d, "cpu")(conv, *args), donate_argnums=(1,)).lower(
+            x, state, w, query_start, slots).compile().as_text()
+        _assert_cache_not_materialised(hlo, state.shape, native_on, f"conv state, {batch}")
 
 
 def test_a_wrong_target_rule_is_caught(monkeypatch):

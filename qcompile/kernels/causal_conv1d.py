@@ -7,14 +7,19 @@ each sequence that had tokens this step is the last K-1 columns of [state ‖ ne
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
+from qcompile.kernels.cache_rows import scatter_rows
 from qcompile.kernels.ragged import slot_or_drop, token_layout
 
 
-def _new_state(x, state, query_start, state_slots, lengths):
-    """Each sequence with n_b > 0 new tokens: column m of its new state is position n_b-(K-1)+m of [state ‖ x_b]."""
+def _new_state(x, state, query_start, state_slots, lengths, write=None):
+    """Each sequence with n_b > 0 new tokens: column m of its new state is position n_b-(K-1)+m of [state ‖ x_b].
+
+    write(state, slots, columns): how the rows land (default jnp's scatter; slots outside [0, S) are dropped)."""
     num_tokens = x.shape[0]
     num_slots, _, width = state.shape
     seq_slot = jnp.clip(state_slots, 0, num_slots - 1)
@@ -25,7 +30,9 @@ def _new_state(x, state, query_start, state_slots, lengths):
     new_from_state = jnp.take_along_axis(old, jnp.clip(width + rel_s, 0, width - 1)[:, None, :], axis=2)
     new_cols = jnp.where((rel_s >= 0)[:, None, :], new_from_x, new_from_state).astype(state.dtype)
     target = slot_or_drop(lengths > 0, state_slots, num_slots)
-    return state.at[target].set(new_cols, mode="drop")
+    if write is None:
+        return state.at[target].set(new_cols, mode="drop")
+    return write(state, jnp.where(target < 0, target + num_slots, target), new_cols)  # normalised as jnp would
 
 
 def causal_conv1d_reference(x, state, weight, query_start, state_slots, activation: str | None = "silu"):
@@ -54,7 +61,8 @@ def causal_conv1d_cpu(x, state, weight, query_start, state_slots, activation: st
     """Same contract and result as causal_conv1d_reference, without its [T,K,C] window gathers and [T,C,K-1] state
     copy: tap j is a shifted slice of x (zero-padded in front), replaced by the cached column of the token's
     sequence only where the tap reaches before the sequence's first new token, accumulated in f32 as fused
-    multiply-adds (the reference's per-channel einsum runs as C tiny dot products on CPU)."""
+    multiply-adds (the reference's per-channel einsum runs as C tiny dot products on CPU). The new state's rows are
+    written in place (scatter_rows: a bf16 state is never widened whole)."""
     num_tokens, channels = x.shape
     num_slots, _, width = state.shape
     lay = token_layout(query_start, num_tokens)
@@ -72,4 +80,5 @@ def causal_conv1d_cpu(x, state, weight, query_start, state_slots, activation: st
     if activation == "silu":
         y = jax.nn.silu(y)
 
-    return y, _new_state(x, state, query_start, state_slots, lay.lengths)
+    write = functools.partial(scatter_rows, after=(y,))  # y's reads of the old state first: no copy of it
+    return y, _new_state(x, state, query_start, state_slots, lay.lengths, write=write)

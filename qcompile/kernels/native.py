@@ -58,6 +58,8 @@ KERNELS = {
     "qcompile_gdn_fused_f32": ("gdn_fused_f32.cc", "QcompileGdnFusedF32"),
     "qcompile_gdn_fused_bf16_state": ("gdn_fused_f32.cc", "QcompileGdnFusedBf16State"),
     "qcompile_zero_slot": ("zero_slot.cc", "QcompileZeroSlot"),
+    "qcompile_scatter_rows": ("cache_rows.cc", "QcompileScatterRows"),
+    "qcompile_kv_gather_f32": ("cache_rows.cc", "QcompileKvGatherF32"),
     "qcompile_moe_dispatch": ("moe_routes.cc", "QcompileMoeDispatch"),
     "qcompile_moe_combine_f32": ("moe_routes.cc", "QcompileMoeCombineF32"),
     "qcompile_moe_combine_bf16": ("moe_routes.cc", "QcompileMoeCombineBf16"),

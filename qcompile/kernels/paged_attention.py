@@ -10,6 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from qcompile.kernels.cache_rows import page_reader, scatter_rows
 from qcompile.kernels.ragged import token_layout
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -22,6 +23,17 @@ def kv_cache_write_reference(pages, kv, positions, query_start, page_table):
     page = page_table[lay.seq, jnp.clip(positions // page_size, 0, page_table.shape[1] - 1)]
     page = jnp.where(lay.valid, page, num_pages)
     return pages.at[page, positions % page_size].set(kv.astype(pages.dtype), mode="drop")
+
+
+def kv_cache_write_cpu(pages, kv, positions, query_start, page_table):
+    """kv_cache_write_reference, bit for bit: each valid token's row page·ps + pos mod ps of the pages, written in
+    place through scatter_rows (narrow-float caches never widened or copied whole)."""
+    num_pages, page_size = pages.shape[:2]
+    lay = token_layout(query_start, kv.shape[0])
+    page = page_table[lay.seq, jnp.clip(positions // page_size, 0, page_table.shape[1] - 1)]
+    page = jnp.where(page < 0, page + num_pages, page)  # as jnp's scatter normalises it
+    row = jnp.where(lay.valid & (page >= 0) & (page < num_pages), page * page_size + positions % page_size, -1)
+    return scatter_rows(pages, row, kv)
 
 
 def paged_attention_reference(q, k_pages, v_pages, positions, query_start, page_table, scale: float):
@@ -45,14 +57,14 @@ def paged_attention_reference(q, k_pages, v_pages, positions, query_start, page_
     return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
 
 
-def _flash_blocks(qi, row_pos, item_pages, k_pages, v_pages, num_blocks, block_pages: int):
+def _flash_blocks(qi, row_pos, item_pages, read_k, read_v, num_blocks, block_pages: int, page_size: int):
     """Online-softmax attention of W work items over their first `num_blocks` KV blocks (a traced bound).
 
     qi [W,Hkv,R,hd] f32 (already scaled); row_pos [W,R] (a row sees keys at positions ≤ row_pos; -1: none);
-    item_pages [W,M] page table row of each item. Returns [W,Hkv,R,hd] f32 (rows that see no key: 0).
+    item_pages [W,M] page table row of each item; read_k / read_v: page_reader of the pages (a block's pages are read
+    and widened alone). Returns [W,Hkv,R,hd] f32 (rows that see no key: 0).
     """
     items, kv_heads, num_rows, head_dim = qi.shape
-    page_size = k_pages.shape[1]
     pages_per_seq = item_pages.shape[1]
     block = block_pages * page_size
     max_keys = pages_per_seq * page_size
@@ -61,8 +73,8 @@ def _flash_blocks(qi, row_pos, item_pages, k_pages, v_pages, num_blocks, block_p
         i, m, l, acc = carry
         cols = jnp.clip(i * block_pages + jnp.arange(block_pages), 0, pages_per_seq - 1)
         pages = item_pages[:, cols]  # [W,nbp]
-        kb = jnp.swapaxes(k_pages[pages].reshape(items, block, kv_heads, head_dim), 1, 2).astype(jnp.float32)
-        vb = jnp.swapaxes(v_pages[pages].reshape(items, block, kv_heads, head_dim), 1, 2).astype(jnp.float32)
+        kb = jnp.swapaxes(read_k(pages), 1, 2)  # [W,Hkv,blk,hd]
+        vb = jnp.swapaxes(read_v(pages), 1, 2)
         key_pos = i * block + jnp.arange(block)
         s = jnp.einsum("whrd,whkd->whrk", qi, kb, precision=HIGHEST)  # [W,Hkv,R,blk]
         ok = (key_pos[None, None, :] <= row_pos[:, :, None]) & (key_pos < max_keys)[None, None, :]  # [W,R,blk]
@@ -97,7 +109,8 @@ def paged_attention_cpu(q, k_pages, v_pages, positions, query_start, page_table,
     - T > B: tokens of one-token sequences (decode rows of a mixed batch) go as above (≤ B items, vectorised); the
       sequences with ≥ 2 tokens are cut into query tiles of `tile` tokens, processed one tile at a time (a while_loop
       over a traced count), each tile walking only the KV blocks up to its own last position (causal skip).
-    Padding rows get the reference's value (attention to key 0 of sequence B-1). Defaults (measured on CPU at the
+    Blocks are read through page_reader, so no step widens (or copies) the whole bf16 cache. Padding rows get the
+    reference's value (attention to key 0 of sequence B-1). Defaults (measured on CPU at the
     bench preset, docs/cpu_rules_attention.md): decode blocks of 32 keys, prefill tiles of 32 tokens and blocks of
     64 keys.
     """
@@ -109,6 +122,7 @@ def paged_attention_cpu(q, k_pages, v_pages, positions, query_start, page_table,
     pbp = max(1, min(pages_per_seq, prefill_block_pages or max(1, 64 // page_size)))
     lay = token_layout(query_start, num_tokens)
     qf = q.astype(jnp.float32) * scale
+    read_k, read_v = page_reader(k_pages), page_reader(v_pages)
 
     def vectorised(tok, seq, ok):
         """Items = single tokens `tok` [W] of sequences `seq` [W] (ok [W]: is a live token) -> [W,Hq,hd]."""
@@ -116,7 +130,7 @@ def paged_attention_cpu(q, k_pages, v_pages, positions, query_start, page_table,
         qi = qf[tok].reshape(rows, kv_heads, group, head_dim)  # [W,Hkv,g,hd]: one row per head of the group
         row_pos = jnp.repeat(jnp.where(ok, positions[tok], -1)[:, None], group, axis=1)
         nb = _num_blocks(jnp.max(jnp.where(ok, positions[tok], 0)), dbp * page_size, -(-pages_per_seq // dbp))
-        out = _flash_blocks(qi, row_pos, page_table[seq], k_pages, v_pages, nb, dbp)
+        out = _flash_blocks(qi, row_pos, page_table[seq], read_k, read_v, nb, dbp, page_size)
         return out.reshape(rows, num_heads, head_dim)
 
     if num_tokens <= num_seqs:
@@ -145,7 +159,7 @@ def paged_attention_cpu(q, k_pages, v_pages, positions, query_start, page_table,
             pt = jax.lax.dynamic_slice_in_dim(pos_pad, start, tile)
             row_pos = jnp.repeat(jnp.where(live, pt, -1), group)[None]
             nb = _num_blocks(jnp.max(jnp.where(live, pt, 0)), pbp * page_size, blocks_max)
-            o = _flash_blocks(qt, row_pos, page_table[b][None], k_pages, v_pages, nb, pbp)
+            o = _flash_blocks(qt, row_pos, page_table[b][None], read_k, read_v, nb, pbp, page_size)
             o = jnp.moveaxis(o.reshape(kv_heads, tile, group, head_dim), 0, 1).reshape(tile, num_heads, head_dim)
             old = jax.lax.dynamic_slice_in_dim(buf, start, tile)
             buf = jax.lax.dynamic_update_slice_in_dim(buf, jnp.where(live[:, None, None], o, old), start, 0)
@@ -154,6 +168,6 @@ def paged_attention_cpu(q, k_pages, v_pages, positions, query_start, page_table,
         buf = jnp.zeros((num_tokens + tile, num_heads, head_dim), jnp.float32)
         _, buf = jax.lax.while_loop(lambda c: c[0] < offsets[-1], tile_body, (jnp.int32(0), buf))
         out = jnp.where(single[lay.seq][:, None, None], dec[lay.seq], buf[:num_tokens])
-    pad = v_pages[page_table[num_seqs - 1, 0], 0].astype(jnp.float32)  # [Hkv,hd]: the reference's padding row
+    pad = read_v(page_table[num_seqs - 1, :1][None])[0, 0]  # [Hkv,hd]: the reference's padding row
     out = jnp.where(lay.valid[:, None, None], out, jnp.repeat(pad, group, axis=0)[None])
     return out.astype(q.dtype)

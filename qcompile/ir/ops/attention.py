@@ -7,7 +7,8 @@ import jax.numpy as jnp
 
 from qcompile.ir.cost import Cost, cost, nbytes
 from qcompile.ir.registry import expect, lowering, op, type_rule
-from qcompile.kernels.paged_attention import kv_cache_write_reference, paged_attention_cpu, paged_attention_reference
+from qcompile.kernels.paged_attention import (kv_cache_write_cpu, kv_cache_write_reference, paged_attention_cpu,
+                                              paged_attention_reference)
 from qcompile.kernels.pallas_paged_attention import paged_attention_tpu
 
 
@@ -60,6 +61,12 @@ def _kv_write_type(op_, pages, kv, positions, query_start, page_table):
 @lowering(KvCacheWrite)
 def _kv_write(op_, pages, kv, positions, query_start, page_table):
     return kv_cache_write_reference(pages, kv, positions, query_start, page_table)
+
+
+@lowering(KvCacheWrite, "cpu")
+def _kv_write_cpu(op_, pages, kv, positions, query_start, page_table):
+    """The reference's rows, scattered as integers when the cache is bf16 (XLA CPU would widen every page)."""
+    return kv_cache_write_cpu(pages, kv, positions, query_start, page_table)
 
 
 @op("paged_attention")
