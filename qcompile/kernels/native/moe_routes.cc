@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 #include "bf16.h"
@@ -88,64 +89,63 @@ bool combine_shapes(const ffi::AnyBuffer& rows, const ffi::Buffer<ffi::S32>& ord
          rd[0] == wd[0] * wd[1];
 }
 
-ffi::Error CombineBf16(ffi::ThreadPool pool, ffi::AnyBuffer rows, ffi::Buffer<ffi::S32> order, ffi::AnyBuffer weights,
-                       ffi::Result<ffi::AnyBuffer> out) {
-  if (!combine_shapes(rows, order, weights) || rows.element_type() != ffi::DataType::BF16 ||
-      weights.element_type() != ffi::DataType::BF16 || out->element_type() != ffi::DataType::BF16)
-    return ffi::Error::InvalidArgument("qcompile moe combine bf16: expected rows[T*k,H], order[T*k], weights[T,k]");
+// Element access for combine: f32 as it is, bf16 widened (a product of two bf16 values is exact in f32, so the
+// bf16 result does not depend on whether the compiler fuses the multiply and add).
+inline v16 row16(const float* p) { return load(p); }
+inline v16 row16(const uint16_t* p) { return qcompile_native::widen16(p); }
+inline float value(const float* p) { return *p; }
+inline float value(const uint16_t* p) {
+  float out;
+  qcompile_native::widen(p, &out, 1);
+  return out;
+}
+// The f32 accumulator of a token's output: the output row itself for f32, a scratch row rounded once for bf16.
+inline float* accumulator(float* dst, float*) { return dst; }
+inline float* accumulator(uint16_t*, float* scratch) { return scratch; }
+inline void finish(const float*, float*, int64_t) {}
+inline void finish(const float* acc, uint16_t* dst, int64_t n) { qcompile_native::narrow(acc, dst, n); }
+
+template <class T>
+ffi::Error Combine(ffi::ThreadPool pool, ffi::AnyBuffer rows, ffi::Buffer<ffi::S32> order, ffi::AnyBuffer weights,
+                   ffi::Result<ffi::AnyBuffer> out, ffi::DataType dtype) {
+  if (!combine_shapes(rows, order, weights) || rows.element_type() != dtype || weights.element_type() != dtype ||
+      out->element_type() != dtype)
+    return ffi::Error::InvalidArgument("qcompile moe combine: expected rows[T*k,H], order[T*k], weights[T,k], all "
+                                       "f32 or all bf16");
   const int64_t tokens = weights.dimensions()[0], k = weights.dimensions()[1], h = rows.dimensions()[1];
   if (tokens == 0 || h == 0) return ffi::Error::Success();
   auto where = routes_of(order.typed_data(), rows.dimensions()[0]);
-  const uint16_t* src = static_cast<const uint16_t*>(rows.untyped_data());
-  const uint16_t* w = static_cast<const uint16_t*>(weights.untyped_data());
-  uint16_t* dst = static_cast<uint16_t*>(out->untyped_data());
+  const T* src = static_cast<const T*>(rows.untyped_data());
+  const T* w = static_cast<const T*>(weights.untyped_data());
+  T* dst = static_cast<T*>(out->untyped_data());
   qcompile_native::parallel_items(pool, (tokens + kCombineTokens - 1) / kCombineTokens, [=](int64_t item) {
-    std::vector<float> acc(h), wide(h);
+    std::vector<float> scratch(std::is_same<T, float>::value ? 0 : h);
     for (int64_t t = item * kCombineTokens, end = std::min(tokens, t + kCombineTokens); t < end; ++t) {
-      std::fill(acc.begin(), acc.end(), 0.0f);
+      float* acc = accumulator(dst + t * h, scratch.data());
+      std::fill(acc, acc + h, 0.0f);
       for (int64_t j = 0; j < k; ++j) {
         const int64_t r = (*where)[t * k + j];
         if (r < 0) continue;
-        float wt;
-        qcompile_native::widen(w + t * k + j, &wt, 1);
-        qcompile_native::widen(src + r * h, wide.data(), h);
-        for (int64_t c = 0; c < h; ++c) acc[c] += wide[c] * wt;
+        const float wt = value(w + t * k + j);
+        const T* s = src + r * h;
+        int64_t c = 0;
+        for (; c + 16 <= h; c += 16) store(acc + c, load(acc + c) + wt * row16(s + c));
+        for (; c < h; ++c) acc[c] += wt * value(s + c);
       }
-      qcompile_native::narrow(acc.data(), dst + t * h, h);
+      finish(acc, dst + t * h, h);
     }
   });
   return ffi::Error::Success();
 }
 
-ffi::Error CombineF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> rows, ffi::Buffer<ffi::S32> order,
-                      ffi::Buffer<ffi::F32> weights, ffi::ResultBuffer<ffi::F32> out) {
-  const auto rd = rows.dimensions();
-  const auto wd = weights.dimensions();
-  if (rd.size() != 2 || wd.size() != 2 || order.dimensions().size() != 1 || order.dimensions()[0] != rd[0] ||
-      rd[0] != wd[0] * wd[1])
-    return ffi::Error::InvalidArgument("qcompile moe combine: expected rows[T*k,H], order[T*k], weights[T,k]");
-  const int64_t tokens = wd[0], k = wd[1], h = rd[1], n = rd[0];
-  if (tokens == 0 || h == 0) return ffi::Error::Success();
-  auto where = routes_of(order.typed_data(), n);
-  const float* src = rows.typed_data();
-  const float* w = weights.typed_data();
-  float* dst = out->typed_data();
-  qcompile_native::parallel_items(pool, (tokens + kCombineTokens - 1) / kCombineTokens, [=](int64_t item) {
-    for (int64_t t = item * kCombineTokens, end = std::min(tokens, t + kCombineTokens); t < end; ++t) {
-      float* o = dst + t * h;
-      std::memset(o, 0, sizeof(float) * h);
-      for (int64_t j = 0; j < k; ++j) {
-        const int64_t r = (*where)[t * k + j];
-        if (r < 0) continue;
-        const float wt = w[t * k + j];
-        const float* s = src + r * h;
-        int64_t c = 0;
-        for (; c + 16 <= h; c += 16) store(o + c, load(o + c) + wt * load(s + c));
-        for (; c < h; ++c) o[c] += wt * s[c];
-      }
-    }
-  });
-  return ffi::Error::Success();
+ffi::Error CombineF32(ffi::ThreadPool pool, ffi::AnyBuffer rows, ffi::Buffer<ffi::S32> order, ffi::AnyBuffer weights,
+                      ffi::Result<ffi::AnyBuffer> out) {
+  return Combine<float>(pool, rows, order, weights, out, ffi::DataType::F32);
+}
+
+ffi::Error CombineBf16(ffi::ThreadPool pool, ffi::AnyBuffer rows, ffi::Buffer<ffi::S32> order, ffi::AnyBuffer weights,
+                       ffi::Result<ffi::AnyBuffer> out) {
+  return Combine<uint16_t>(pool, rows, order, weights, out, ffi::DataType::BF16);
 }
 
 }  // namespace
@@ -168,7 +168,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(QcompileMoeCombineBf16, CombineBf16,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QcompileMoeCombineF32, CombineF32,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>());
