@@ -112,13 +112,13 @@ struct Job {
   const uint16_t* x;
   const uint16_t* w;
   float* out;
-  int64_t t, k, panels, row_chunks, panels_per_item;
+  int64_t t, k, panels;
+  qcompile_native::PanelItems split;
 };
 
 void run_item(const Job& j, int64_t i) {
-  const int64_t pr = i / j.row_chunks, rc = i % j.row_chunks;
-  const int64_t p0 = pr * j.panels_per_item, p1 = std::min(j.panels, p0 + j.panels_per_item);
-  const int64_t r0 = rc * kRowChunk, r1 = std::min(j.t, r0 + kRowChunk);
+  int64_t p0, p1, r0, r1;
+  j.split.bounds(i, p0, p1, r0, r1);
   const int64_t n = j.panels * kPanel, panel_size = j.k * kPanel;
   TileConfig config;
   for (int t = 0; t < 8; ++t) config.rows[t] = 16, config.colsb[t] = 64;
@@ -156,23 +156,18 @@ ffi::Error LinearPanelsAmx(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffe
   if (!tiles_permitted())
     return ffi::Error(ffi::ErrorCode::kUnavailable, "qcompile linear_panels amx: the OS refused the AMX tile state");
   Job job{static_cast<const uint16_t*>(x.untyped_data()), static_cast<const uint16_t*>(w.untyped_data()),
-          out->typed_data(), xd[0], xd[1], wd[0], 0, 1};
+          out->typed_data(), xd[0], xd[1], wd[0],
+          qcompile_native::PanelItems(xd[0], wd[0], kRowChunk, pool.num_threads(), kItemsPerThread)};
   if (job.t == 0 || job.panels == 0) return ffi::Error::Success();
   if (job.k == 0) {
     std::memset(job.out, 0, sizeof(float) * job.t * job.panels * kPanel);
     return ffi::Error::Success();
   }
-  job.row_chunks = (job.t + kRowChunk - 1) / kRowChunk;
-  const int64_t runs = std::max<int64_t>(1, std::min<int64_t>(job.panels, kItemsPerThread * pool.num_threads()));
-  job.panels_per_item = (job.panels + runs - 1) / runs;
-  const int64_t items = ((job.panels + job.panels_per_item - 1) / job.panels_per_item) * job.row_chunks;
-  qcompile_native::parallel_items(pool, items, [job](int64_t i) { run_item(job, i); });
+  qcompile_native::parallel_items(pool, job.split.count, [job](int64_t i) { run_item(job, i); });
   return ffi::Error::Success();
 }
 
-struct GroupItem {
-  int64_t expert, row0, rows;
-};
+using GroupItem = qcompile_native::GroupChunk;
 
 struct GroupJob {
   const uint16_t* x;
@@ -238,13 +233,7 @@ ffi::Error GroupedMatmulAmx(ffi::ThreadPool pool, ffi::AnyBuffer rows, ffi::AnyB
     std::memset(job->out, 0, sizeof(float) * n * width);
     return ffi::Error::Success();
   }
-  int64_t row = 0;
-  const int32_t* gs = group_sizes.typed_data();
-  for (int64_t e = 0; e < wd[0]; ++e) {
-    const int64_t g = std::min<int64_t>(std::max<int64_t>(gs[e], 0), n - row);
-    for (int64_t r = 0; r < g; r += kRowChunk) job->items.push_back({e, row + r, std::min(kRowChunk, g - r)});
-    row += g;
-  }
+  const int64_t row = qcompile_native::group_chunks(group_sizes.typed_data(), wd[0], n, kRowChunk, job->items);
   if (row < n) std::memset(job->out + row * width, 0, sizeof(float) * (n - row) * width);
   qcompile_native::parallel_items(pool, static_cast<int64_t>(job->items.size()),
                                   [job](int64_t i) { run_group_item(*job, job->items[i]); });

@@ -129,9 +129,7 @@ void panel(const float* x, int64_t ldx, int rows, const W* w, int64_t ldw, int64
   if (n < ncols) narrow(x, ldx, rows, w + n, ldw, k, ncols - n, out + n, ldo, add);
 }
 
-struct Item {
-  int64_t expert, row0, rows;
-};
+using Item = qcompile_native::GroupChunk;
 
 struct Job {
   const float* x;
@@ -229,13 +227,8 @@ ffi::Error Launch(ffi::ThreadPool pool, std::shared_ptr<Job> job, int64_t n, int
     std::memset(job->out, 0, sizeof(float) * n * width);
     return ffi::Error::Success();
   }
-  int64_t row = 0;
-  for (int64_t e = 0; e < experts; ++e) {
-    const int64_t g = std::min<int64_t>(std::max<int64_t>(gs[e], 0), n - row);
-    const int64_t chunk = job->w16 != nullptr ? kRowChunkWidened : kRowChunk;
-    for (int64_t r = 0; r < g; r += chunk) job->items.push_back({e, row + r, std::min(chunk, g - r)});
-    row += g;
-  }
+  const int64_t row = qcompile_native::group_chunks(gs, experts, n, job->w16 != nullptr ? kRowChunkWidened : kRowChunk,
+                                                    job->items);
   if (row < n) std::memset(job->out + row * width, 0, sizeof(float) * (n - row) * width);
   qcompile_native::parallel_items(pool, static_cast<int64_t>(job->items.size()),
                                   [job](int64_t i) { run_item(*job, job->items[i]); });

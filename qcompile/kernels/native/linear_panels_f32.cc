@@ -100,15 +100,14 @@ struct Job {
   const float* x;
   const float* w;
   float* out;
-  int64_t t, k, panels, row_chunks, panels_per_item;
+  int64_t t, k, panels;
+  qcompile_native::PanelItems split;  // item i: a run of panels against a chunk of kRowChunk input rows
   const uint16_t* w16 = nullptr;  // bf16 panels instead of w
 };
 
-// Item i: panels [pr * panels_per_item, +panels_per_item) against input rows [rc * kRowChunk, +kRowChunk).
 void run_item(const Job& j, int64_t i) {
-  const int64_t pr = i / j.row_chunks, rc = i % j.row_chunks;
-  const int64_t p0 = pr * j.panels_per_item, p1 = std::min(j.panels, p0 + j.panels_per_item);
-  const int64_t r0 = rc * kRowChunk, r1 = std::min(j.t, r0 + kRowChunk);
+  int64_t p0, p1, r0, r1;
+  j.split.bounds(i, p0, p1, r0, r1);
   // Row tiles of near-equal size (32 rows: 6,6,5,5,5,5): a short tile reads the panel as often as a full one.
   const int64_t tiles = (r1 - r0 + kMr - 1) / kMr;
   const int64_t elem = j.w16 != nullptr ? 2 : 4;  // bytes per weight
@@ -154,18 +153,14 @@ ffi::Error Run(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, 
       (!bf16 && w.element_type() != ffi::DataType::F32))
     return ffi::Error::InvalidArgument("qcompile linear_panels: expected x[T,K] f32, w[P,K,64] f32 or bf16");
   Job job{x.typed_data(), bf16 ? nullptr : static_cast<const float*>(w.untyped_data()), out->typed_data(), xd[0],
-          xd[1], wd[0], 0, 1};
+          xd[1], wd[0], qcompile_native::PanelItems(xd[0], wd[0], kRowChunk, pool.num_threads(), kItemsPerThread)};
   if (bf16) job.w16 = static_cast<const uint16_t*>(w.untyped_data());
   if (job.t == 0 || job.panels == 0) return ffi::Error::Success();
   if (job.k == 0) {
     std::memset(job.out, 0, sizeof(float) * job.t * job.panels * kPanel);
     return ffi::Error::Success();
   }
-  job.row_chunks = (job.t + kRowChunk - 1) / kRowChunk;
-  const int64_t runs = std::max<int64_t>(1, std::min<int64_t>(job.panels, kItemsPerThread * pool.num_threads()));
-  job.panels_per_item = (job.panels + runs - 1) / runs;
-  const int64_t items = ((job.panels + job.panels_per_item - 1) / job.panels_per_item) * job.row_chunks;
-  qcompile_native::parallel_items(pool, items, [job](int64_t i) { run_item(job, i); });
+  qcompile_native::parallel_items(pool, job.split.count, [job](int64_t i) { run_item(job, i); });
   return ffi::Error::Success();
 }
 
