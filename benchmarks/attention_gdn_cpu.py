@@ -1,6 +1,6 @@
 """CPU kernels vs their jnp references: paged attention, GDN recurrence, causal conv1d (ms per call).
 
-    python benchmarks/attention_gdn_cpu.py [--repeat 7] [--only attention,gdn,conv]
+    python benchmarks/attention_gdn_cpu.py [--repeat 7] [--only attention,decode,gdn,conv]
 
 Bench-preset shapes (docs/bench_preset.md): attention Hq 8 / Hkv 2 / hd 128, page size 16; GDN Hv 8, dk = dv = 128;
 conv C = 2·4·128 + 8·128 = 2048, K = 4; all f32. Each entry is the minimum over --repeat rounds of the mean of a
@@ -98,6 +98,30 @@ def bench_attention(rng, repeat):
               flush=True)
 
 
+def bench_decode_attention(rng, repeat):
+    """Decode rows: the jnp rule's 32-key blocks (forced with decode_block_pages=2) against the native kernel."""
+    import ml_dtypes
+
+    scale = HD**-0.5
+    jnp_blocks = jax.jit(lambda *a: paged_attention_cpu(*a, scale, decode_block_pages=2))
+    native = jax.jit(lambda *a: paged_attention_cpu(*a, scale))
+    print("\n## decode attention: jnp blocks vs the native kernel (Hq 8, Hkv 2, hd 128, page 16)\n")
+    print("| pages | B | live | jnp blocks ms | native ms | speed-up | max rel err |")
+    print("|---|---|---|---|---|---|---|")
+    for dtype in ("f32", "bf16"):
+        for batch in (1, 8, 32):
+            for live in (160, 1000):
+                hist = list(rng.integers(live - 10, live + 10, batch))
+                args = attention_case(rng, [1] * batch, hist, batch, 2048)
+                if dtype == "bf16":
+                    args[1], args[2] = (a.astype(ml_dtypes.bfloat16) for a in args[1:3])
+                want, got = jnp_blocks(*args), native(*args)
+                err = float(jnp.max(jnp.abs(want - got)) / jnp.max(jnp.abs(want)))
+                t_jnp, t_native = timeit(jnp_blocks, args, repeat), timeit(native, args, repeat)
+                print(f"| {dtype} | {batch} | ~{live} | {t_jnp:.3f} | {t_native:.3f} | {t_jnp / t_native:.1f}x | "
+                      f"{err:.1e} |", flush=True)
+
+
 def l2(x):
     return x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + 1e-6)
 
@@ -192,13 +216,16 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=7)
     parser.add_argument("--only", default="attention,gdn,conv",
-                        help="comma-separated parts: attention, gdn (with the forms tables), gdn-main (without), conv")
+                        help="comma-separated parts: attention, decode (jnp blocks vs the native decode kernel), "
+                             "gdn (with the forms tables), gdn-main (without), conv")
     opts = parser.parse_args()
     rng = np.random.default_rng(0)
     print(f"jax {jax.__version__}, backend {jax.default_backend()}, repeat {opts.repeat} (minimum taken)")
     parts = opts.only.split(",")
     if "attention" in parts:
         bench_attention(rng, opts.repeat)
+    if "decode" in parts:
+        bench_decode_attention(rng, opts.repeat)
     if "gdn" in parts or "gdn-main" in parts:
         bench_gdn(rng, opts.repeat, forms="gdn" in parts)
     if "conv" in parts:

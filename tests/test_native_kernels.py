@@ -304,8 +304,10 @@ def test_artifact_names_the_kernel_and_refuses_an_unknown_one(tmp_path):
     out = tmp_path / "art"
     manifest = write_artifact(out, model.graph, model.params, config_json=model.checkpoint.config.to_json(),
                               cache=cache, target="cpu", progress=False)
+    from qcompile.kernels.paged_attention import NATIVE_DECODE
+
     assert manifest["native_kernels"] == sorted([gm.NATIVE_F32, lin.NATIVE_F32, lin.NATIVE_PANELS, gdn.NATIVE_F32,
-                                                 routes.NATIVE_DISPATCH, routes.NATIVE_COMBINE_F32])
+                                                 routes.NATIVE_DISPATCH, routes.NATIVE_COMBINE_F32, NATIVE_DECODE])
     want = model.engine(cache).generate([[5, 6, 7]], 3)["tokens"]
     assert load_artifact(out).engine().generate([[5, 6, 7]], 3)["tokens"] == want
 
@@ -467,3 +469,31 @@ def test_kv_cache_write_and_gather_match_jnp_on_edge_indices():
     want = np.asarray(pages[ids].reshape(4, 2 * ps, hkv, hd).astype(jnp.float32))
     np.testing.assert_array_equal(got, want)
     assert rows_.NATIVE_GATHER in jax.jit(rows_.page_reader(pages)).lower(ids).as_text()
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_paged_decode_attention_matches_the_jnp_blocks(dtype):
+    """The native decode attention (paged_attention_f32.cc) against the jnp rule's online-softmax blocks: rows at
+    different positions (one past the page table's keys, one that sees none), a head size that is not a multiple of
+    16, keys in several 32-key blocks, a negative page id and one past P."""
+    import ml_dtypes
+
+    from qcompile.kernels import cache_rows as rows_
+    from qcompile.kernels import paged_attention as pa
+
+    rng = np.random.default_rng(7)
+    items, kv_heads, group, hd, ps, per_seq, num_pages = 5, 2, 3, 20, 4, 20, 30
+    np_dtype = np.float32 if dtype == "f32" else ml_dtypes.bfloat16
+    k_pages = jnp.asarray(rng.standard_normal((num_pages, ps, kv_heads, hd)).astype(np_dtype))
+    v_pages = jnp.asarray(rng.standard_normal((num_pages, ps, kv_heads, hd)).astype(np_dtype))
+    qi = jnp.asarray(rng.standard_normal((items, kv_heads, group, hd)), jnp.float32)
+    item_pages = jnp.asarray(rng.integers(0, num_pages, (items, per_seq)), jnp.int32)
+    item_pages = item_pages.at[1, 0].set(-3).at[2, 5].set(num_pages + 4)
+    row_pos = jnp.asarray([[0, 5, 2], [33, 70, 79], [100, 50, -1], [-1, -1, -1], [79, 200, 64]], jnp.int32)
+    blocks = -(-per_seq // 8)
+    want = pa._flash_blocks(qi, row_pos, item_pages, rows_.page_reader(k_pages), rows_.page_reader(v_pages),
+                            jnp.int32(blocks), 8, ps)
+    got = jax.jit(pa._decode_native)(qi, row_pos, item_pages, k_pages, v_pages)
+    assert pa.NATIVE_DECODE in jax.jit(pa._decode_native).lower(qi, row_pos, item_pages, k_pages, v_pages).as_text()
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    assert not np.any(np.asarray(got)[3]) and np.any(np.asarray(got)[0])

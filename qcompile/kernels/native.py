@@ -60,6 +60,7 @@ KERNELS = {
     "qcompile_zero_slot": ("zero_slot.cc", "QcompileZeroSlot"),
     "qcompile_scatter_rows": ("cache_rows.cc", "QcompileScatterRows"),
     "qcompile_kv_gather_f32": ("cache_rows.cc", "QcompileKvGatherF32"),
+    "qcompile_paged_decode_attention": ("paged_attention_f32.cc", "QcompilePagedDecodeAttention"),
     "qcompile_moe_dispatch": ("moe_routes.cc", "QcompileMoeDispatch"),
     "qcompile_moe_combine_f32": ("moe_routes.cc", "QcompileMoeCombineF32"),
     "qcompile_moe_combine_bf16": ("moe_routes.cc", "QcompileMoeCombineBf16"),

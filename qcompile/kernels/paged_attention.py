@@ -10,10 +10,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from qcompile.kernels import native
 from qcompile.kernels.cache_rows import page_reader, scatter_rows
 from qcompile.kernels.ragged import token_layout
 
 HIGHEST = jax.lax.Precision.HIGHEST
+NATIVE_DECODE = "qcompile_paged_decode_attention"
 
 
 def kv_cache_write_reference(pages, kv, positions, query_start, page_table):
@@ -93,6 +95,13 @@ def _flash_blocks(qi, row_pos, item_pages, read_k, read_v, num_blocks, block_pag
     return acc / jnp.where(l > 0, l, 1.0)[..., None]
 
 
+def _decode_native(qi, row_pos, item_pages, k_pages, v_pages):
+    """_flash_blocks' result for every block up to each item's last position, by the native kernel
+    (kernels/native/paged_attention_f32.cc): each (item, KV head) streams its keys and values once."""
+    call = jax.ffi.ffi_call(NATIVE_DECODE, jax.ShapeDtypeStruct(qi.shape, jnp.float32))
+    return call(qi, k_pages, v_pages, item_pages.astype(jnp.int32), row_pos.astype(jnp.int32))
+
+
 def _num_blocks(max_pos, block: int, limit: int):
     return jnp.clip((max_pos + block) // block, 1, limit)
 
@@ -104,8 +113,9 @@ def paged_attention_cpu(q, k_pages, v_pages, positions, query_start, page_table,
 
     Flash decoding in f32: a while_loop walks KV blocks of a few pages up to the live bound (a traced value), with
     an online softmax, gathering each block once per work item (never a per-token copy of every page).
-    - T ≤ B (decode buckets): every token slot is one work item, all items advance together, up to the largest
-      position in the batch.
+    - T ≤ B (decode buckets): every token slot is one work item. Where the native kernel is built (f32 or bf16
+      pages, default blocks), each (item, KV head) streams its own live keys once (kernels/native/
+      paged_attention_f32.cc); otherwise all items advance together, up to the largest position in the batch.
     - T > B: tokens of one-token sequences (decode rows of a mixed batch) go as above (≤ B items, vectorised); the
       sequences with ≥ 2 tokens are cut into query tiles of `tile` tokens, processed one tile at a time (a while_loop
       over a traced count), each tile walking only the KV blocks up to its own last position (causal skip).
@@ -123,12 +133,16 @@ def paged_attention_cpu(q, k_pages, v_pages, positions, query_start, page_table,
     lay = token_layout(query_start, num_tokens)
     qf = q.astype(jnp.float32) * scale
     read_k, read_v = page_reader(k_pages), page_reader(v_pages)
+    native_decode = (k_pages.dtype in (jnp.float32, jnp.bfloat16) and decode_block_pages is None
+                     and native.ensure(NATIVE_DECODE))
 
     def vectorised(tok, seq, ok):
         """Items = single tokens `tok` [W] of sequences `seq` [W] (ok [W]: is a live token) -> [W,Hq,hd]."""
         rows = tok.shape[0]
         qi = qf[tok].reshape(rows, kv_heads, group, head_dim)  # [W,Hkv,g,hd]: one row per head of the group
         row_pos = jnp.repeat(jnp.where(ok, positions[tok], -1)[:, None], group, axis=1)
+        if native_decode:
+            return _decode_native(qi, row_pos, page_table[seq], k_pages, v_pages).reshape(rows, num_heads, head_dim)
         nb = _num_blocks(jnp.max(jnp.where(ok, positions[tok], 0)), dbp * page_size, -(-pages_per_seq // dbp))
         out = _flash_blocks(qi, row_pos, page_table[seq], read_k, read_v, nb, dbp, page_size)
         return out.reshape(rows, num_heads, head_dim)

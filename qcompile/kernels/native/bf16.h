@@ -51,6 +51,16 @@ inline void narrow16(v16 value, uint16_t* dst) {
 inline void widen(const float* __restrict src, float* __restrict dst, int64_t n) { std::memcpy(dst, src, 4 * n); }
 inline void narrow(const float* __restrict src, float* __restrict dst, int64_t n) { std::memcpy(dst, src, 4 * n); }
 
+// A row's values as f32 whether the row is f32 or bf16 (for kernels templated over the element type).
+inline v16 load_as_f32(const float* p) { return load(p); }
+inline v16 load_as_f32(const uint16_t* p) { return widen16(p); }
+inline float value_as_f32(const float* p) { return *p; }
+inline float value_as_f32(const uint16_t* p) {
+  float out;
+  widen(p, &out, 1);
+  return out;
+}
+
 }  // namespace qcompile_native
 
 #endif  // QCOMPILE_NATIVE_BF16_H_

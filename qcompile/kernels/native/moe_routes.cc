@@ -89,22 +89,14 @@ bool combine_shapes(const ffi::AnyBuffer& rows, const ffi::Buffer<ffi::S32>& ord
          rd[0] == wd[0] * wd[1];
 }
 
-// Element access for combine: f32 as it is, bf16 widened (a product of two bf16 values is exact in f32, so the
-// bf16 result does not depend on whether the compiler fuses the multiply and add).
-inline v16 row16(const float* p) { return load(p); }
-inline v16 row16(const uint16_t* p) { return qcompile_native::widen16(p); }
-inline float value(const float* p) { return *p; }
-inline float value(const uint16_t* p) {
-  float out;
-  qcompile_native::widen(p, &out, 1);
-  return out;
-}
 // The f32 accumulator of a token's output: the output row itself for f32, a scratch row rounded once for bf16.
 inline float* accumulator(float* dst, float*) { return dst; }
 inline float* accumulator(uint16_t*, float* scratch) { return scratch; }
 inline void finish(const float*, float*, int64_t) {}
 inline void finish(const float* acc, uint16_t* dst, int64_t n) { qcompile_native::narrow(acc, dst, n); }
 
+// f32 or bf16 (T = uint16_t) rows and weights, accumulated in f32 (a product of two bf16 values is exact in f32, so
+// the bf16 result does not depend on whether the compiler fuses the multiply and add).
 template <class T>
 ffi::Error Combine(ffi::ThreadPool pool, ffi::AnyBuffer rows, ffi::Buffer<ffi::S32> order, ffi::AnyBuffer weights,
                    ffi::Result<ffi::AnyBuffer> out, ffi::DataType dtype) {
@@ -126,11 +118,11 @@ ffi::Error Combine(ffi::ThreadPool pool, ffi::AnyBuffer rows, ffi::Buffer<ffi::S
       for (int64_t j = 0; j < k; ++j) {
         const int64_t r = (*where)[t * k + j];
         if (r < 0) continue;
-        const float wt = value(w + t * k + j);
+        const float wt = qcompile_native::value_as_f32(w + t * k + j);
         const T* s = src + r * h;
         int64_t c = 0;
-        for (; c + 16 <= h; c += 16) store(acc + c, load(acc + c) + wt * row16(s + c));
-        for (; c < h; ++c) acc[c] += wt * value(s + c);
+        for (; c + 16 <= h; c += 16) store(acc + c, load(acc + c) + wt * qcompile_native::load_as_f32(s + c));
+        for (; c < h; ++c) acc[c] += wt * qcompile_native::value_as_f32(s + c);
       }
       finish(acc, dst + t * h, h);
     }

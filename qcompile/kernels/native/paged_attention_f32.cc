@@ -1,0 +1,169 @@
+// qcompile's native CPU paged attention for decode rows (flash decoding over the live pages), an XLA FFI custom call.
+// Built and registered by qcompile/kernels/native.py; paged_attention_cpu (kernels/paged_attention.py) calls it for
+// the one-token rows of a step (decode batches and the decode rows of mixed ones).
+//
+// Contract (_flash_blocks' in kernels/paged_attention.py): q f32[W, Hkv, R, hd] (already scaled; the R query rows
+// of an item and KV head: a GQA group), k_pages and v_pages [P, ps, Hkv, hd] f32 or bf16, item_pages i32[W, M] (the
+// page table row of each item), row_pos i32[W, R] -> out f32[W, Hkv, R, hd]: row r of item w attends to the keys at
+// positions 0..row_pos[w, r] (and < M·ps) of its pages, key position j in page item_pages[w, j / ps] (jnp's gather
+// rule: a negative page counts from the end, then clamped into [0, P)) at row j mod ps. Softmax in f32, online over
+// blocks of kBlock keys (a block's maximum, one rescale per block), as the jnp rule's blocks do; a row that sees no
+// key gets 0.
+//
+// Why: the jnp rule runs a while loop over 32-key blocks whose every iteration gathers the block, transposes it and
+// runs two small einsums; at 32 decode sequences of the bench preset that is ~6-7 ms of a step for ~1 MB of keys.
+// Here a work item (sequence, KV head) streams its keys and values once, widened from bf16 in registers, and its
+// group's rows share every key it reads. Work items run on XLA's intra-op threads (parallel_items.h).
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "bf16.h"
+#include "parallel_items.h"
+#include "vec16.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+using qcompile_native::load;
+using qcompile_native::load_as_f32;
+using qcompile_native::store;
+using qcompile_native::v16;
+using qcompile_native::value_as_f32;
+
+constexpr int64_t kBlock = 32;  // keys per online-softmax block
+
+
+inline float dot(const float* q, const float* k, int64_t n) {
+  v16 acc = {};
+  int64_t c = 0;
+  for (; c + 16 <= n; c += 16) acc += load(q + c) * load(k + c);
+  float s = 0.0f;
+  for (int i = 0; i < 16; ++i) s += acc[i];
+  for (; c < n; ++c) s += q[c] * k[c];
+  return s;
+}
+
+template <class T>
+struct Job {
+  const float* q;
+  const T* k;
+  const T* v;
+  const int32_t* pages;
+  const int32_t* pos;
+  float* out;
+  int64_t items, kv_heads, rows, hd, num_pages, page_size, per_seq;
+};
+
+template <class T>
+void run_item(const Job<T>& j, int64_t item) {
+  const int64_t w = item / j.kv_heads, h = item % j.kv_heads;
+  const int64_t rows = j.rows, hd = j.hd;
+  const float* q = j.q + (w * j.kv_heads + h) * rows * hd;
+  const int32_t* pos = j.pos + w * rows;
+  float* out = j.out + (w * j.kv_heads + h) * rows * hd;
+  int64_t last = -1;  // the largest position any row of the item sees
+  for (int64_t r = 0; r < rows; ++r) last = std::max<int64_t>(last, pos[r]);
+  const int64_t keys = std::min<int64_t>(last + 1, j.per_seq * j.page_size);
+  thread_local std::vector<float> m, l, s, kw, vw;
+  m.assign(rows, -1e30f);
+  l.assign(rows, 0.0f);
+  s.resize(rows * kBlock);
+  kw.resize(kBlock * hd);
+  vw.resize(kBlock * hd);
+  std::fill(out, out + rows * hd, 0.0f);
+  for (int64_t j0 = 0; j0 < keys; j0 += kBlock) {
+    const int64_t n = std::min(kBlock, keys - j0);
+    // The block's keys and values for head h, in f32.
+    for (int64_t t = 0; t < n; ++t) {
+      const int64_t key = j0 + t;
+      int64_t page = j.pages[w * j.per_seq + key / j.page_size];
+      if (page < 0) page += j.num_pages;
+      page = std::min<int64_t>(std::max<int64_t>(page, 0), j.num_pages - 1);
+      const int64_t at = ((page * j.page_size + key % j.page_size) * j.kv_heads + h) * hd;
+      int64_t c = 0;
+      for (; c + 16 <= hd; c += 16) {
+        store(kw.data() + t * hd + c, load_as_f32(j.k + at + c));
+        store(vw.data() + t * hd + c, load_as_f32(j.v + at + c));
+      }
+      for (; c < hd; ++c) {
+        kw[t * hd + c] = value_as_f32(j.k + at + c);
+        vw[t * hd + c] = value_as_f32(j.v + at + c);
+      }
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t seen = std::min<int64_t>(n, pos[r] - j0 + 1);  // keys of this block the row attends to
+      if (seen <= 0) continue;
+      float* sr = s.data() + r * kBlock;
+      float top = m[r];
+      for (int64_t t = 0; t < seen; ++t) top = std::max(top, sr[t] = dot(q + r * hd, kw.data() + t * hd, hd));
+      const float alpha = std::exp(m[r] - top);
+      float sum = 0.0f;
+      for (int64_t t = 0; t < seen; ++t) sum += (sr[t] = std::exp(sr[t] - top));
+      l[r] = l[r] * alpha + sum;
+      m[r] = top;
+      float* o = out + r * hd;
+      int64_t c = 0;
+      for (; c + 16 <= hd; c += 16) {
+        v16 acc = load(o + c) * alpha;
+        for (int64_t t = 0; t < seen; ++t) acc += sr[t] * load(vw.data() + t * hd + c);
+        store(o + c, acc);
+      }
+      for (; c < hd; ++c) {
+        float acc = o[c] * alpha;
+        for (int64_t t = 0; t < seen; ++t) acc += sr[t] * vw[t * hd + c];
+        o[c] = acc;
+      }
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const float inv = l[r] > 0.0f ? 1.0f / l[r] : 1.0f;
+    for (int64_t c = 0; c < hd; ++c) out[r * hd + c] *= inv;
+  }
+}
+
+template <class T>
+ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> q, const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
+               ffi::Buffer<ffi::S32> item_pages, ffi::Buffer<ffi::S32> row_pos, ffi::ResultBuffer<ffi::F32> out) {
+  const auto qd = q.dimensions();
+  const auto kd = k.dimensions();
+  const auto td = item_pages.dimensions();
+  const auto rd = row_pos.dimensions();
+  if (qd.size() != 4 || kd.size() != 4 || !std::equal(kd.begin(), kd.end(), v.dimensions().begin(), v.dimensions().end()) || td.size() != 2 || rd.size() != 2 ||
+      td[0] != qd[0] || rd[0] != qd[0] || rd[1] != qd[2] || kd[2] != qd[1] || kd[3] != qd[3] || kd[0] < 1 ||
+      td[1] < 1)
+    return ffi::Error::InvalidArgument("qcompile paged decode attention: expected q[W,Hkv,R,hd], pages[P,ps,Hkv,hd], "
+                                       "item_pages[W,M], row_pos[W,R]");
+  Job<T> job{q.typed_data(), static_cast<const T*>(k.untyped_data()), static_cast<const T*>(v.untyped_data()),
+             item_pages.typed_data(), row_pos.typed_data(), out->typed_data(), qd[0] * qd[1], qd[1], qd[2], qd[3],
+             kd[0], kd[1], td[1]};
+  qcompile_native::parallel_items(pool, job.items, [job](int64_t i) { run_item(job, i); });
+  return ffi::Error::Success();
+}
+
+ffi::Error PagedDecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                                ffi::Buffer<ffi::S32> item_pages, ffi::Buffer<ffi::S32> row_pos,
+                                ffi::ResultBuffer<ffi::F32> out) {
+  if (k.element_type() != v.element_type())
+    return ffi::Error::InvalidArgument("qcompile paged decode attention: k and v pages differ in dtype");
+  if (k.element_type() == ffi::DataType::F32) return Run<float>(pool, q, k, v, item_pages, row_pos, out);
+  if (k.element_type() == ffi::DataType::BF16) return Run<uint16_t>(pool, q, k, v, item_pages, row_pos, out);
+  return ffi::Error::InvalidArgument("qcompile paged decode attention: pages must be f32 or bf16");
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QcompilePagedDecodeAttention, PagedDecodeAttention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
