@@ -14,7 +14,7 @@
 //   repeated index keeps its last row. (Flattening in the kernel, not with a reshape around it: XLA then copied the
 //   aliased result.) Further operands are ignored: values that read the old array, passed so that XLA orders
 //   those reads before the write instead of copying the array to keep them safe.
-// qcompile_kv_gather_f32(pages[P,ps,...] bf16 or f32, page_ids i32[W,n]) -> f32[W, n*ps, ...]: pages[page_ids]
+// qcompile_kv_gather_f32(pages[P,ps,...] bf16, page_ids i32[W,n]) -> f32[W, n*ps, ...]: pages[page_ids]
 //   widened, with jnp's gather index rule (negative counts from the end, then clamped into [0, P)).
 
 #include <algorithm>
@@ -52,9 +52,8 @@ ffi::Error ScatterRows(ffi::AnyBuffer array, ffi::AnyBuffer rows, ffi::Buffer<ff
 
 ffi::Error KvGatherF32(ffi::AnyBuffer pages, ffi::Buffer<ffi::S32> page_ids, ffi::Result<ffi::Buffer<ffi::F32>> out) {
   const auto pd = pages.dimensions();
-  const bool bf16 = pages.element_type() == ffi::DataType::BF16;
-  if (pd.size() < 2 || (!bf16 && pages.element_type() != ffi::DataType::F32))
-    return ffi::Error::InvalidArgument("qcompile kv gather: expected bf16 or f32 pages[P,ps,...]");
+  if (pd.size() < 2 || pages.element_type() != ffi::DataType::BF16)
+    return ffi::Error::InvalidArgument("qcompile kv gather: expected bf16 pages[P,ps,...]");
   const int64_t num_pages = pd[0];
   if (num_pages < 1) return ffi::Error::InvalidArgument("qcompile kv gather: no pages");
   const int64_t page_elems = static_cast<int64_t>(pages.element_count()) / num_pages;
@@ -66,12 +65,8 @@ ffi::Error KvGatherF32(ffi::AnyBuffer pages, ffi::Buffer<ffi::S32> page_ids, ffi
     int64_t page = ids[i];
     if (page < 0) page += num_pages;
     page = std::min<int64_t>(std::max<int64_t>(page, 0), num_pages - 1);
-    if (bf16)
-      qcompile_native::widen(static_cast<const uint16_t*>(pages.untyped_data()) + page * page_elems,
-                             dst + i * page_elems, page_elems);
-    else
-      std::memcpy(dst + i * page_elems, static_cast<const float*>(pages.untyped_data()) + page * page_elems,
-                  page_elems * sizeof(float));
+    qcompile_native::widen(static_cast<const uint16_t*>(pages.untyped_data()) + page * page_elems,
+                           dst + i * page_elems, page_elems);
   }
   return ffi::Error::Success();
 }
