@@ -15,11 +15,9 @@ from __future__ import annotations
 
 import argparse
 import copy
-import resource
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from qcompile.frontend.tiny import full_config, write_sparse_checkpoint

@@ -2,7 +2,10 @@
 checkpoint's [N, K] layout (`linear_native`, ≤ 48 rows; XLA's dot above), the panel kernel on the same weights in
 column panels (`linear_panels_cpu`), and XLA's dot on [N, K] (`linear_xla`).
 
-Usage: python benchmarks/linear_panels_cpu.py [--rows 1,8,32,128,512] [--repeats 6]
+Usage: python benchmarks/linear_panels_cpu.py [--rows 1,8,32,128,512] [--repeats 6] [--dtype f32|bf16]
+
+--dtype bf16 times a bf16 checkpoint's products instead (bf16 activations and panels, 0.64 GB): the panel rule as the
+step calls it (AMX tiles from AMX_MIN_ROWS rows where the CPU has them) beside the FMA panel kernel at every row count.
 
 One jitted chain multiplies the rows by the bench preset's dense weights of one decode step, eight times over
 (60 × [1024, 1024], 30 × [2048, 1024], 60 × [512, 1024], 60 × [1024, 512], 4 × [32000, 1024]; 1.28 GB, more than
@@ -44,7 +47,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="1,8,32,128,512")
     ap.add_argument("--repeats", type=int, default=6)
+    ap.add_argument("--dtype", choices=("f32", "bf16"), default="f32")
     args = ap.parse_args()
+    if args.dtype == "bf16":
+        return main_bf16(args)
     for name in (lin.NATIVE_F32, lin.NATIVE_PANELS):
         if not native.ensure(name):
             raise SystemExit(f"native kernel unavailable: {native.status(name)}")
@@ -62,6 +68,34 @@ def main() -> None:
             rules.append(("xla [N,K]", lin.linear_xla, weights))
         for label, product, ws in rules:
             ms = best_ms(chain(product), x, ws, repeats=args.repeats)
+            print(f"| {rows} | {label} | {ms:.1f} | {nbytes / ms / 1e6:.1f} | {flops / ms / 1e6:.0f} |")
+
+
+def fma_panels_bf16(x, wp):
+    """The FMA panel kernel on bf16 panels whatever the row count (the rule's choice below AMX_MIN_ROWS)."""
+    p, k, c = wp.shape
+    call = jax.ffi.ffi_call(lin.NATIVE_PANELS_BF16, jax.ShapeDtypeStruct((x.shape[0], p * c), jnp.float32))
+    return call(x.astype(jnp.float32), wp).astype(x.dtype)
+
+
+def main_bf16(args) -> None:
+    if not native.ensure(lin.NATIVE_PANELS_BF16):
+        raise SystemExit(f"native kernel unavailable: {native.status(lin.NATIVE_PANELS_BF16)}")
+    rng = np.random.default_rng(0)
+    panels = [jax.block_until_ready(lin.pack_panels(jnp.asarray(rng.standard_normal((n, k)) / np.sqrt(k),
+                                                                jnp.bfloat16))) for n, k in SHAPES]
+    nbytes = sum(n * k * 2 for n, k in SHAPES)
+    amx = native.amx_bf16() and native.ensure(lin.NATIVE_PANELS_AMX)
+    print(f"AMX: {'yes' if amx else 'no'}; the rule uses it from {lin.AMX_MIN_ROWS} rows")
+    print("| rows | rule | ms | GB/s | GFLOP/s |\n|---|---|---|---|---|")
+    for rows in (int(r) for r in args.rows.split(",")):
+        x = jnp.asarray(rng.standard_normal((rows, 1024)), jnp.bfloat16)
+        flops = sum(2 * rows * n * k for n, k in SHAPES)
+        rules = [("rule (amx)" if amx and rows >= lin.AMX_MIN_ROWS else "rule (fma)", lin.linear_panels_cpu)]
+        if amx and rows >= lin.AMX_MIN_ROWS:
+            rules.append(("fma", fma_panels_bf16))
+        for label, product in rules:
+            ms = best_ms(chain(product), x, panels, repeats=args.repeats)
             print(f"| {rows} | {label} | {ms:.1f} | {nbytes / ms / 1e6:.1f} | {flops / ms / 1e6:.0f} |")
 
 

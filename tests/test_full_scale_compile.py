@@ -11,7 +11,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -21,10 +20,10 @@ import numpy as np
 import pytest
 
 from qcompile.compiler import driver, export
-from qcompile.errors import CheckpointError, UsageError
+from qcompile.errors import CheckpointError
 from qcompile.frontend.checkpoint import Checkpoint
 from qcompile.frontend.safetensors_io import SafetensorsFile, write_safetensors
-from qcompile.frontend.tiny import full_config, write_checkpoint, write_sparse_checkpoint
+from qcompile.frontend.tiny import full_config, write_sparse_checkpoint
 from qcompile.ir.importer import build_graph
 from qcompile.ir.weights import PIECE_BYTES, param_types
 from qcompile.runtime.artifact import load_artifact

@@ -14,7 +14,6 @@ the write, a state carried to the wrong slot all produce O(1e-2..1) relative err
 
 from __future__ import annotations
 
-import functools
 
 import jax
 import jax.numpy as jnp

@@ -146,7 +146,7 @@ def test_linear_panels_rule_uses_the_kernel_at_every_row_count():
     text = lambda x, w: jax.jit(lin.linear_panels_cpu).lower(x, w).as_text()  # noqa: E731
     assert lin.NATIVE_PANELS in text(jnp.ones((2, 24, 32), jnp.float32), w)     # decode-sized
     assert lin.NATIVE_PANELS in text(jnp.ones((512, 32), jnp.float32), w)       # prefill-sized
-    bf16 = text(jnp.ones((8, 32), jnp.bfloat16), w.astype(jnp.bfloat16))
+    bf16 = text(jnp.ones((lin.AMX_MIN_ROWS - 1, 32), jnp.bfloat16), w.astype(jnp.bfloat16))  # below AMX's rows
     assert lin.NATIVE_PANELS not in bf16 and lin.NATIVE_PANELS_BF16 in bf16
 
 
@@ -379,8 +379,10 @@ amx = pytest.mark.skipif(not native.amx_bf16(), reason="this CPU has no AMX bf16
 
 @amx
 def test_amx_linear_matches_float64_oracle_with_row_tails():
-    """bf16 activations and panels on AMX tiles: 32-row blocks with a zero-padded tail (37, 100 rows), K = 32..1024
-    (multiples of 32), one to many panels, against float64 products of the same bf16 values. f32 accumulation over
+    """bf16 activations and panels on AMX tiles, every row structure of the kernel — fewer than 16 rows (one
+    zero-padded block that repacks as it goes), 16 (one streaming block of 16), 17-31 (16 + a padded tail), 32 and
+    more (a streaming block of 32, then 32s, a 16, a padded tail) —, K = 32..1024 (multiples of 32), one to many
+    panels, against float64 products of the same bf16 values. f32 accumulation over
     K ≤ 1024: ≤ 1e-5 relative before the result is rounded to bf16; a wrong VNNI pairing, a dropped k step or a tail
     row written from the padding would be off by far more."""
     from qcompile.kernels import linear as lin
@@ -389,7 +391,8 @@ def test_amx_linear_matches_float64_oracle_with_row_tails():
     call = jax.jit(lambda x, w: jax.ffi.ffi_call(lin.NATIVE_PANELS_AMX, jax.ShapeDtypeStruct(
         (x.shape[0], w.shape[0] * w.shape[2]), jnp.float32))(x, w))
     assert native.ensure(lin.NATIVE_PANELS_AMX)
-    for rows, k, panels in ((32, 32, 1), (37, 64, 2), (100, 96, 3), (64, 1024, 16), (256, 256, 5), (300, 128, 1)):
+    for rows, k, panels in ((1, 64, 2), (7, 1024, 3), (15, 32, 1), (16, 96, 2), (23, 64, 1), (32, 32, 1), (37, 64, 2),
+                            (48, 128, 2), (61, 96, 1), (100, 96, 3), (64, 1024, 16), (256, 256, 5), (300, 128, 1)):
         x = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
         w = jnp.asarray(rng.standard_normal((panels * lin.PANEL, k)), jnp.bfloat16)
         want = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
@@ -398,16 +401,16 @@ def test_amx_linear_matches_float64_oracle_with_row_tails():
         assert err <= REL, f"{rows} rows, K {k}, {panels} panels: {err:.2e}"
     text = jax.jit(lin.linear_panels_cpu).lower(jnp.ones((32, 64), jnp.bfloat16),
                                                 lin.pack_panels(jnp.ones((64, 64), jnp.bfloat16))).as_text()
-    assert lin.NATIVE_PANELS_AMX in text  # the rule takes it from 32 bf16 rows on; fewer rows widen in registers
-    text = jax.jit(lin.linear_panels_cpu).lower(jnp.ones((8, 64), jnp.bfloat16),
+    assert lin.NATIVE_PANELS_AMX in text  # the rule takes it from AMX_MIN_ROWS bf16 rows; fewer widen in registers
+    text = jax.jit(lin.linear_panels_cpu).lower(jnp.ones((lin.AMX_MIN_ROWS - 1, 64), jnp.bfloat16),
                                                 lin.pack_panels(jnp.ones((64, 64), jnp.bfloat16))).as_text()
     assert lin.NATIVE_PANELS_AMX not in text and lin.NATIVE_PANELS_BF16 in text
 
 
 @amx
 def test_amx_grouped_matmul_matches_float64_oracle():
-    """bf16 rows and experts on AMX tiles: groups of 0-79 rows (short ones padded to a 32-row block, long ones in
-    items of 256), negative and overlong group sizes clipped, rows past the groups 0. Bound as the linear's, on the
+    """bf16 rows and experts on AMX tiles: groups of 0-79 rows (every row structure of the linear's test; long ones
+    in items of 256), negative and overlong group sizes clipped, rows past the groups 0. Bound as the linear's, on the
     f32 result."""
     rng = np.random.default_rng(41)
     for case in range(8):
@@ -429,7 +432,8 @@ def test_amx_grouped_matmul_matches_float64_oracle():
 @amx
 @pytest.mark.parametrize("swiglu", [False, True])
 def test_bf16_grouped_matmul_rules_pick_amx_at_prefill(swiglu):
-    """From 32 rows per expert on average (prefill) the bf16 rules run on AMX, below (decode) the bf16 FMA kernel;
+    """From AMX_MIN_ROWS_PER_EXPERT rows per expert on average (prefill) the bf16 rules run on AMX, below (decode) the
+    bf16 FMA kernel;
     SwiGLU rounds the product to bf16 and takes the halves as the reference does (an epilogue on the f32 products
     flipped routes in a deep bf16 model: tests/test_check_noise.py)."""
     w = jnp.ones((4, 64, 64), jnp.bfloat16)
@@ -449,7 +453,7 @@ def test_kv_cache_write_and_gather_match_jnp_on_edge_indices():
     from qcompile.kernels import paged_attention as pa
 
     rng = np.random.default_rng(3)
-    num_pages, ps, hkv, hd, per_seq = 11, 4, 2, 8, 3
+    num_pages, ps, hkv, hd = 11, 4, 2, 8
     pages = jnp.asarray(rng.standard_normal((num_pages, ps, hkv, hd)), jnp.bfloat16)
     kv = jnp.asarray(rng.standard_normal((12, hkv, hd)), jnp.bfloat16)
     query_start = jnp.asarray([0, 3, 3, 7, 10], jnp.int32)  # sequence 1 is empty; tokens 10, 11 are padding

@@ -23,7 +23,7 @@ from qcompile.ir.weights import fold_weight_preparation, load_params
 from qcompile.kernels import grouped_matmul as gm
 from qcompile.kernels import native
 from qcompile.kernels import pallas_gmm as pl_gmm
-from qcompile.passes.base import Pass, PassContext, PassResult
+from qcompile.passes.base import PassContext, PassResult
 from qcompile.passes.equivalence import EquivalenceChecker, structural_hash
 from qcompile.passes.manager import run_pipeline
 from qcompile.passes.registry import PASSES

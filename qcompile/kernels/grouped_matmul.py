@@ -322,10 +322,10 @@ NATIVE_BF16 = "qcompile_grouped_matmul_bf16"
 
 
 NATIVE_AMX = "qcompile_grouped_matmul_amx"
-#: from 12 rows per expert on average AMX is the faster (measured, bench preset shapes, 2 threads: gate|up 1024 x 512
-#: at 8 rows/expert 4.1 ms AMX vs 4.3 FMA, at 16 3.9 vs 7.4; down 256 x 1024 at 16 1.9 vs 3.9 — the AMX kernel's
-#: cost is mostly repacking the weights, so it hardly grows with the rows; docs/cpu_rules.md, "AMX thresholds")
-AMX_MIN_ROWS_PER_EXPERT = 12
+#: from 8 rows per expert on average AMX is the faster (measured on the bench preset's expert weights of one step, from
+#: memory, 2 threads: at 8 rows/expert 51 ms AMX vs 61 FMA, at 6 equal, at 4 49 vs 41 — the AMX kernel streams the
+#: weights once whatever the rows, the FMA kernel turns compute-bound; docs/cpu_rules.md, "AMX thresholds")
+AMX_MIN_ROWS_PER_EXPERT = 8
 
 
 def _bf16_native(rows, w) -> bool:
@@ -341,7 +341,7 @@ def _amx(rows, w) -> bool:
 
 def grouped_matmul_amx(rows, w, group_sizes):
     """bf16 rows times a bf16 checkpoint's experts on AMX tiles (kernels/native/amx_bf16.cc): each work item repacks
-    its expert's weights into the tiles' pair-interleaved layout and multiplies 32-row blocks, f32 accumulation;
+    its expert's weights into the tiles' pair-interleaved layout as its first row block multiplies them, f32 accumulation;
     the result rounded once to bf16. Call only when `_amx` is True."""
     call = jax.ffi.ffi_call(NATIVE_AMX, jax.ShapeDtypeStruct((rows.shape[0], w.shape[2]), jnp.float32))
     return call(rows, w, group_sizes.astype(jnp.int32)).astype(rows.dtype)

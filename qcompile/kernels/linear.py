@@ -41,7 +41,7 @@ NATIVE_MAX_ROWS = 48  # the kernel's row chunk; from 64 rows on XLA's packed GEM
 NATIVE_PANELS = "qcompile_linear_panels_f32"
 NATIVE_PANELS_BF16 = "qcompile_linear_panels_bf16"  # bf16 panels, widened a k block at a time inside the kernel
 NATIVE_PANELS_AMX = "qcompile_linear_panels_amx"  # bf16 activations and panels on AMX tiles (prefill-sized)
-AMX_MIN_ROWS = 16  # from here on a bf16 product goes to AMX where the CPU has it (1024 x 3072: 16 rows 0.48 vs 0.63 ms)
+AMX_MIN_ROWS = 6  # from here on a bf16 product goes to AMX where the CPU has it (docs/cpu_rules.md, "AMX thresholds")
 PANEL = 64  # output columns per panel of linear_panels' weight (the panel kernel's register tile width)
 
 

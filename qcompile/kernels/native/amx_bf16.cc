@@ -15,14 +15,20 @@
 // GFLOP/s per core; one AMX tile multiply does 16x16x32 multiply-adds, measured 350-510 GFLOP/s per core here on
 // the bench preset's shapes. transformers' bf16 prefill on this CPU goes through oneDNN's AMX kernels.
 //   * a work item is a run of consecutive panels against a chunk of up to kRowChunk rows (parallel_items.h); it
-//     repacks its panels once into the pair-interleaved ("VNNI") layout TDPBF16PS reads — [K/2, 64, 2]: the two
-//     weights of k = 2i and 2i+1 side by side — in a per-thread buffer, then walks row blocks of 32 and, for each
-//     panel, two halves of 32 columns: four f32 accumulator tiles (32 x 32) over the whole K, fed per 32 k by two
-//     row tiles of x (read where they lie) and two weight tiles;
-//   * rows past the last full block of 32 go through a zero-padded copy and a scratch output;
+//     takes one panel at a time, repacking it into the pair-interleaved ("VNNI") layout TDPBF16PS reads —
+//     [K/2, 64, 2]: the two weights of k = 2i and 2i+1 side by side — in a per-thread buffer *while its first row
+//     block multiplies it*, 32 k at a time (the panel streams in from memory as the tiles work, the repacked piece
+//     is read from L1; repacking whole panels first and multiplying after ran the two one after the other: 16-32
+//     rows at 12 GB/s, now 14-17 GB/s, docs/cpu_rules.md "AMX thresholds"), with software prefetch ahead (a grouped
+//     matmul's strips are 128-byte runs one weight row apart, which the hardware prefetchers do not follow);
+//   * row blocks: 32 rows (two halves of 32 columns, four f32 accumulator tiles 32 x 32 over the whole K, fed per
+//     32 k by two row tiles of x, read where they lie, and two weight tiles) or 16 rows (four accumulator tiles
+//     16 x 64, one x tile); the first block is 32 rows when there are 32, then 32s, one 16, and the last rows
+//     (fewer than 16) through a zero-padded copy made once per item and a scratch output — so from 6 rows on
+//     (the rules' threshold) a product reads its weights once, at little more than the cost of reading them;
 //   * K must be a multiple of 32 (every projection of these models; the rule checks it).
-//   * grouped matmul: items are (expert, chunk of up to kRowChunk rows); an item repacks its expert's [K, Nout] into
-//     the pair-interleaved layout a 64-column strip at a time (Nout a multiple of 64) and runs the same blocks.
+//   * grouped matmul: items are (expert, chunk of up to kRowChunk rows); an item takes its expert's [K, Nout] a
+//     64-column strip at a time (Nout a multiple of 64) and runs the same blocks.
 
 #include <algorithm>
 #include <memory>
@@ -45,6 +51,7 @@ constexpr int64_t kPanel = 64;          // columns per panel
 constexpr int64_t kRows = 32;           // rows per block: two 16-row tiles
 constexpr int64_t kRowChunk = 8 * kRows;  // rows per work item
 constexpr int64_t kItemsPerThread = 4;  // panel runs per thread and row chunk
+constexpr int64_t kPrefetchPairs = 16;  // repack: rows prefetched this many pairs (2x rows) ahead
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 
@@ -62,18 +69,28 @@ bool tiles_permitted() {
   return ok;
 }
 
-// panel[K, 64] (rows ld apart) -> vnni[K/2, 64, 2]: the weights of k = 2i and 2i + 1 for column n at [i, n, 0..1].
-void repack(const uint16_t* panel, int64_t k, uint16_t* vnni, int64_t ld = kPanel) {
-  __m512i first = _mm512_setzero_si512(), second = first;  // index vectors for columns 0-15 and 16-31 of a half
-  alignas(64) uint16_t idx0[32], idx1[32];
-  for (int i = 0; i < 16; ++i) {
-    idx0[2 * i] = i, idx0[2 * i + 1] = 32 + i;
-    idx1[2 * i] = 16 + i, idx1[2 * i + 1] = 48 + i;
-  }
-  first = _mm512_load_si512(idx0);
-  second = _mm512_load_si512(idx1);
-  for (int64_t i = 0; i < k / 2; ++i) {
+// Pairs [i0, i1) of panel[K, 64] (rows ld apart) -> vnni[K/2, 64, 2]: the weights of k = 2i and 2i + 1 for column
+// n at [i, n, 0..1].
+void repack(const uint16_t* panel, int64_t k, int64_t i0, int64_t i1, uint16_t* vnni, int64_t ld) {
+  static const __m512i first = [] {  // interleaves columns 0-15 (second: 16-31) of two rows of 32
+    alignas(64) uint16_t idx[32];
+    for (int i = 0; i < 16; ++i) idx[2 * i] = i, idx[2 * i + 1] = 32 + i;
+    return _mm512_load_si512(idx);
+  }();
+  static const __m512i second = [] {
+    alignas(64) uint16_t idx[32];
+    for (int i = 0; i < 16; ++i) idx[2 * i] = 16 + i, idx[2 * i + 1] = 48 + i;
+    return _mm512_load_si512(idx);
+  }();
+  for (int64_t i = i0; i < i1; ++i) {
     const uint16_t* even = panel + 2 * i * ld;
+    if (2 * (i + kPrefetchPairs) < k) {  // the rows kPrefetchPairs pairs ahead (strips: one 128-byte run per row)
+      const char* ahead = reinterpret_cast<const char*>(even + 2 * kPrefetchPairs * ld);
+      _mm_prefetch(ahead, _MM_HINT_T0);
+      _mm_prefetch(ahead + 64, _MM_HINT_T0);
+      _mm_prefetch(ahead + ld * 2, _MM_HINT_T0);
+      _mm_prefetch(ahead + ld * 2 + 64, _MM_HINT_T0);
+    }
     const uint16_t* odd = even + ld;
     uint16_t* out = vnni + i * 2 * kPanel;
     for (int half = 0; half < 2; ++half) {
@@ -84,14 +101,45 @@ void repack(const uint16_t* panel, int64_t k, uint16_t* vnni, int64_t ld = kPane
   }
 }
 
-// out[32 rows, 64 cols] = x[32, K] · the repacked panel; x rows ldx apart, out rows ldo apart.
-void block(const uint16_t* x, int64_t ldx, const uint16_t* vnni, int64_t k, float* out, int64_t ldo) {
+// out[16 rows, 64 cols] = x[16, K] · the panel in vnni; x rows ldx apart, out rows ldo apart. Given `raw` (the panel
+// as stored, rows ld apart), each 32-k step is repacked into vnni just before its tiles read it (a panel's first
+// row block).
+void block16(const uint16_t* x, int64_t ldx, uint16_t* vnni, int64_t k, float* out, int64_t ldo,
+             const uint16_t* raw = nullptr, int64_t ld = kPanel) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t kk = 0; kk < k; kk += 32) {
+    if (raw != nullptr) repack(raw, k, kk / 2, kk / 2 + 16, vnni, ld);
+    const uint16_t* w = vnni + kk / 2 * kPanel * 2;
+    _tile_loadd(4, x + kk, ldx * 2);
+    _tile_loadd(5, w, kPanel * 4);
+    _tile_loadd(6, w + 32, kPanel * 4);
+    _tile_dpbf16ps(0, 4, 5);
+    _tile_loadd(7, w + 64, kPanel * 4);
+    _tile_dpbf16ps(1, 4, 6);
+    _tile_loadd(5, w + 96, kPanel * 4);
+    _tile_dpbf16ps(2, 4, 7);
+    _tile_dpbf16ps(3, 4, 5);
+  }
+  _tile_stored(0, out, ldo * 4);
+  _tile_stored(1, out + 16, ldo * 4);
+  _tile_stored(2, out + 32, ldo * 4);
+  _tile_stored(3, out + 48, ldo * 4);
+}
+
+// out[32 rows, 64 cols] = x[32, K] · the panel in vnni; x rows ldx apart, out rows ldo apart; given `raw`, the
+// first half's k steps repack the panel as they go (as block16).
+void block(const uint16_t* x, int64_t ldx, uint16_t* vnni, int64_t k, float* out, int64_t ldo,
+           const uint16_t* raw = nullptr, int64_t ld = kPanel) {
   for (int64_t c = 0; c < kPanel; c += 32) {
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
     for (int64_t kk = 0; kk < k; kk += 32) {
+      if (raw != nullptr && c == 0) repack(raw, k, kk / 2, kk / 2 + 16, vnni, ld);
       _tile_loadd(4, x + kk, ldx * 2);
       _tile_loadd(5, x + 16 * ldx + kk, ldx * 2);
       _tile_loadd(6, vnni + (kk / 2 * kPanel + c) * 2, kPanel * 4);
@@ -116,6 +164,53 @@ struct Job {
   qcompile_native::PanelItems split;
 };
 
+// The rows [r0, r1) of x (k wide) times one panel or strip (`raw`, rows ld apart) into y (ldy floats per row): the
+// first block (32 rows, or 16 when there are fewer) repacks the panel into vnni as it goes; the rest read vnni in
+// blocks of 32, then one of 16; the last rows (fewer than 16) go through `tail`, their zero-padded copy made once per
+// item, and a scratch block.
+struct Rows {
+  const uint16_t* x;
+  int64_t k, r0, tail_start, r1;
+  const uint16_t* tail;
+};
+
+void rows_times_panel(const Rows& rows, const uint16_t* raw, int64_t ld, uint16_t* vnni, float* y, int64_t ldy) {
+  thread_local std::vector<float> scratch;
+  const int64_t k = rows.k;
+  const auto through_scratch = [&](const uint16_t* from, int64_t row) {  // the tail's rows, from row `row` of y
+    scratch.resize(16 * kPanel);
+    block16(rows.tail, k, vnni, k, scratch.data(), kPanel, from, ld);
+    for (int64_t m = 0; m < rows.r1 - rows.tail_start; ++m)
+      std::memcpy(y + (row + m) * ldy, scratch.data() + m * kPanel, sizeof(float) * kPanel);
+  };
+  if (rows.r1 - rows.r0 < 16) return through_scratch(raw, 0);
+  int64_t r = rows.r0;
+  if (rows.r1 - rows.r0 >= 32) {
+    block(rows.x + r * k, k, vnni, k, y, ldy, raw, ld);
+    r += 32;
+  } else {
+    block16(rows.x + r * k, k, vnni, k, y, ldy, raw, ld);
+    r += 16;
+  }
+  for (; r + 32 <= rows.tail_start; r += 32) block(rows.x + r * k, k, vnni, k, y + (r - rows.r0) * ldy, ldy);
+  if (r < rows.tail_start) block16(rows.x + r * k, k, vnni, k, y + (r - rows.r0) * ldy, ldy);
+  if (rows.tail_start < rows.r1) through_scratch(nullptr, rows.tail_start - rows.r0);
+}
+
+// `Rows` over x[r0:r1]: where the blocks of rows_times_panel end, and the zero-padded copy of the rows after them.
+Rows rows_of(const uint16_t* x, int64_t k, int64_t r0, int64_t r1, std::vector<uint16_t>& padded) {
+  int64_t tail_start = r0;
+  if (r1 - r0 >= 16) {
+    const int64_t first = r1 - r0 >= 32 ? 32 : 16, rest = r1 - r0 - first;
+    tail_start = r0 + first + rest / 32 * 32 + (rest % 32 >= 16 ? 16 : 0);
+  }
+  if (tail_start < r1) {
+    padded.assign(static_cast<size_t>(16 * k), 0);
+    std::memcpy(padded.data(), x + tail_start * k, sizeof(uint16_t) * (r1 - tail_start) * k);
+  }
+  return Rows{x, k, r0, tail_start, r1, padded.data()};
+}
+
 void run_item(const Job& j, int64_t i) {
   int64_t p0, p1, r0, r1;
   j.split.bounds(i, p0, p1, r0, r1);
@@ -124,26 +219,10 @@ void run_item(const Job& j, int64_t i) {
   for (int t = 0; t < 8; ++t) config.rows[t] = 16, config.colsb[t] = 64;
   _tile_loadconfig(&config);
   thread_local std::vector<uint16_t> vnni, padded;
-  thread_local std::vector<float> scratch;
-  vnni.resize(static_cast<size_t>((p1 - p0) * panel_size));
-  for (int64_t p = p0; p < p1; ++p) repack(j.w + p * panel_size, j.k, vnni.data() + (p - p0) * panel_size);
-  for (int64_t r = r0; r < r1; r += kRows) {
-    const int64_t rows = std::min(kRows, r1 - r);
-    const uint16_t* x = j.x + r * j.k;
-    if (rows < kRows) {  // the last rows: a zero-padded copy, results through a scratch block
-      padded.assign(static_cast<size_t>(kRows * j.k), 0);
-      std::memcpy(padded.data(), x, sizeof(uint16_t) * rows * j.k);
-      scratch.resize(kRows * kPanel);
-      for (int64_t p = p0; p < p1; ++p) {
-        block(padded.data(), j.k, vnni.data() + (p - p0) * panel_size, j.k, scratch.data(), kPanel);
-        for (int64_t m = 0; m < rows; ++m)
-          std::memcpy(j.out + (r + m) * n + p * kPanel, scratch.data() + m * kPanel, sizeof(float) * kPanel);
-      }
-      continue;
-    }
-    for (int64_t p = p0; p < p1; ++p)
-      block(x, j.k, vnni.data() + (p - p0) * panel_size, j.k, j.out + r * n + p * kPanel, n);
-  }
+  vnni.resize(static_cast<size_t>(panel_size));
+  const Rows rows = rows_of(j.x, j.k, r0, r1, padded);
+  for (int64_t p = p0; p < p1; ++p)
+    rows_times_panel(rows, j.w + p * panel_size, kPanel, vnni.data(), j.out + r0 * n + p * kPanel, n);
   _tile_release();
 }
 
@@ -177,30 +256,14 @@ struct GroupJob {
   std::vector<GroupItem> items;
 };
 
-// rows[item] · w[e] into y ([rows, nout], ldy floats per row): 32-row blocks (the last zero-padded) x 64-col strips.
+// rows[item] · w[e] into y ([rows, nout], ldy floats per row), one 64-column strip at a time (as run_item's panels).
 void group_product(const GroupJob& j, const GroupItem& it, float* y, int64_t ldy) {
   thread_local std::vector<uint16_t> vnni, padded;
-  thread_local std::vector<float> scratch;
   const int64_t strip = j.k * kPanel, strips = j.nout / kPanel;
-  vnni.resize(static_cast<size_t>(strips * strip));
+  vnni.resize(static_cast<size_t>(strip));
   const uint16_t* we = j.w + it.expert * j.k * j.nout;
-  for (int64_t s = 0; s < strips; ++s) repack(we + s * kPanel, j.k, vnni.data() + s * strip, j.nout);
-  for (int64_t r = 0; r < it.rows; r += kRows) {
-    const int64_t rows = std::min(kRows, it.rows - r);
-    const uint16_t* x = j.x + (it.row0 + r) * j.k;
-    if (rows < kRows) {
-      padded.assign(static_cast<size_t>(kRows * j.k), 0);
-      std::memcpy(padded.data(), x, sizeof(uint16_t) * rows * j.k);
-      scratch.resize(kRows * kPanel);
-      for (int64_t s = 0; s < strips; ++s) {
-        block(padded.data(), j.k, vnni.data() + s * strip, j.k, scratch.data(), kPanel);
-        for (int64_t m = 0; m < rows; ++m)
-          std::memcpy(y + (r + m) * ldy + s * kPanel, scratch.data() + m * kPanel, sizeof(float) * kPanel);
-      }
-      continue;
-    }
-    for (int64_t s = 0; s < strips; ++s) block(x, j.k, vnni.data() + s * strip, j.k, y + r * ldy + s * kPanel, ldy);
-  }
+  const Rows rows = rows_of(j.x, j.k, it.row0, it.row0 + it.rows, padded);
+  for (int64_t s = 0; s < strips; ++s) rows_times_panel(rows, we + s * kPanel, j.nout, vnni.data(), y + s * kPanel, ldy);
 }
 
 void run_group_item(const GroupJob& j, const GroupItem& it) {
