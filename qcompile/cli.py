@@ -369,6 +369,7 @@ def run_cmd(checkpoint, prompt_ids, prompt_texts, max_new_tokens, dtype, save_lo
         raise UsageError("--save-logits saves a greedy run's prompt logits; drop --temperature")
     cluster = _cluster(coordinator, num_processes, process_id, join_timeout)
     from qcompile.runtime.artifact import is_artifact, load_artifact
+    from qcompile.runtime.memory import frozen_heap
 
     if cluster is not None and mesh_spec is None and not is_artifact(checkpoint):
         raise UsageError("several processes share a mesh: give --mesh (e.g. --mesh 2x4) or a laid-out artifact")
@@ -424,10 +425,11 @@ def run_cmd(checkpoint, prompt_ids, prompt_texts, max_new_tokens, dtype, save_lo
     if ignore_eos:
         eos_ids = ()
     loaded = time.perf_counter()
-    if sampling.greedy:
-        result = engine.generate(prompts, max_new_tokens, prompt_logits=save_logits is not None, eos_ids=eos_ids)
-    else:
-        result = _sample_prompts(engine, prompts, max_new_tokens, eos_ids, sampling)
+    with frozen_heap():  # the loaded model's objects out of the garbage collector's walks (runtime/memory.py)
+        if sampling.greedy:
+            result = engine.generate(prompts, max_new_tokens, prompt_logits=save_logits is not None, eos_ids=eos_ids)
+        else:
+            result = _sample_prompts(engine, prompts, max_new_tokens, eos_ids, sampling)
     done = time.perf_counter()
     from qcompile.runtime.distributed import is_leader
 
@@ -646,6 +648,7 @@ def serve_cmd(source, host, port, served_model_name, passes_spec, dtype, max_seq
     from qcompile.runtime.artifact import is_artifact, load_artifact
     from qcompile.runtime.scheduler import Scheduler
     from qcompile.runtime.server import Metrics, ModelInfo, bind, create_app, uvicorn_server
+    from qcompile.runtime.memory import frozen_heap
     from qcompile.runtime.serving import EngineLoop
 
     artifact = is_artifact(source)
@@ -715,7 +718,8 @@ def serve_cmd(source, host, port, served_model_name, passes_spec, dtype, max_seq
                    f"x {engine.cache_cfg.max_context} tokens, {engine.sizes['P']} KV pages of {engine.page_size}); "
                    "Ctrl-C stops", err=True)
         try:
-            uvicorn_server(app, sock).run(sockets=[sock])
+            with frozen_heap():  # the loaded model's objects out of the garbage collector's walks (runtime/memory.py)
+                uvicorn_server(app, sock).run(sockets=[sock])
         finally:
             loop.stop()
     finally:

@@ -11,6 +11,7 @@ summing past N (clipped), padding rows (must come back 0) and N = 0.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -214,14 +215,16 @@ def test_gdn_recurrence_matches_float64_oracle():
 def test_gdn_recurrence_with_a_bf16_state_matches_the_oracle():
     """The bf16-state entry point: the oracle run from the stored (bf16) state in float64, the result rounded once
     per step (one token: rows rounded in place; several: the whole state once) — within bf16's half ulp. dv = 40:
-    rows widened and rounded 16 values at a time in registers, and the last 8 one at a time."""
+    rows widened and rounded 16 values at a time in registers, and the last 8 one at a time; dv = 128: the
+    fixed-width form (delta_rule.h's delta_rule_token_fixed, Sᵀk, Sᵀq and δ held in registers)."""
     import ml_dtypes
 
     rng = np.random.default_rng(12)
     call = jax.jit(gdn.gdn_recurrent_native)
-    for new, num_tokens, slots, num_slots in (([1, 1, 1], 4, [2, 0, 3], 5), ([5, 1, 0, 9], 16, [1, 4, 0, 2], 5),
-                                              ([2, 3], 8, [7, 1], 3)):
-        h, dk, dv = 2, 16, 40
+    for (new, num_tokens, slots, num_slots), (dk, dv) in itertools.product(
+            (([1, 1, 1], 4, [2, 0, 3], 5), ([5, 1, 0, 9], 16, [1, 4, 0, 2], 5), ([2, 3], 8, [7, 1], 3)),
+            ((16, 40), (128, 128))):
+        h = 2
         qs = np.concatenate([[0], np.cumsum(new)]).astype(np.int32)
         q, k = (rng.standard_normal((num_tokens, h, dk)) / 4 for _ in range(2))
         v = rng.standard_normal((num_tokens, h, dv))

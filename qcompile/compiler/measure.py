@@ -39,6 +39,7 @@ from qcompile.ir.graph import Graph
 from qcompile.ir.lowering import is_sharded, lower
 from qcompile.ir.ops.expert_parallel import DISPATCH_OPS
 from qcompile.ir.ops.moe import RouterTopK
+from qcompile.runtime.memory import frozen_heap
 from qcompile.runtime.sampling import GREEDY, Sampling
 from qcompile.kernels import native
 from qcompile.kernels.linear import NATIVE_PANELS_AMX, linear_panels_cpu, pack_panels
@@ -239,10 +240,11 @@ def bench_engine(engine, label: str, passes: str, prompts: list[list[int]], outp
     m.warmup_seconds = time.perf_counter() - warm_started
     started = time.perf_counter()
     try:
-        for first in range(0, len(prompts), concurrency):
-            wave = range(first, min(first + concurrency, len(prompts)))
-            _serve_wave(engine, [prompts[i] for i in wave], output_len, m, roofline, probes, graph, target, stop,
-                        [request_sampling(sampling, i) for i in wave])
+        with frozen_heap():  # as a server runs (runtime/memory.py)
+            for first in range(0, len(prompts), concurrency):
+                wave = range(first, min(first + concurrency, len(prompts)))
+                _serve_wave(engine, [prompts[i] for i in wave], output_len, m, roofline, probes, graph, target, stop,
+                            [request_sampling(sampling, i) for i in wave])
     except KeyboardInterrupt:
         m.complete = False
         raise
@@ -282,17 +284,18 @@ def bench_engine_rate(engine, label: str, passes: str, prompts: list[list[int]],
     start = time.perf_counter()
     submitted = 0
     try:
-        while submitted < len(requests) or scheduler.waiting or scheduler.running:
-            now = time.perf_counter() - start
-            while submitted < len(requests) and arrivals[submitted] <= now:
-                scheduler.submit(requests[submitted])
-                submitted += 1
-            if not scheduler.waiting and not scheduler.running:
-                time.sleep(max(0.0, min(arrivals[submitted] - now, 1.0)))
-                continue
-            for request, _ in scheduler.step():
-                token_times[request.id].append(time.perf_counter())
-            stop()
+        with frozen_heap():  # as a server runs (runtime/memory.py)
+            while submitted < len(requests) or scheduler.waiting or scheduler.running:
+                now = time.perf_counter() - start
+                while submitted < len(requests) and arrivals[submitted] <= now:
+                    scheduler.submit(requests[submitted])
+                    submitted += 1
+                if not scheduler.waiting and not scheduler.running:
+                    time.sleep(max(0.0, min(arrivals[submitted] - now, 1.0)))
+                    continue
+                for request, _ in scheduler.step():
+                    token_times[request.id].append(time.perf_counter())
+                stop()
     except KeyboardInterrupt:
         m.complete = False
         raise
@@ -441,8 +444,9 @@ def bench_transformers(checkpoint_dir: Path, dtype: str, prompts: list[list[int]
     m.warmup_seconds = time.perf_counter() - warm
     started = time.perf_counter()
     try:
-        for first in range(0, len(prompts), concurrency):
-            wave(prompts[first:first + concurrency], output_len, True)
+        with frozen_heap():  # the same conditions as qcompile's waves: an eager loop allocates Python objects too
+            for first in range(0, len(prompts), concurrency):
+                wave(prompts[first:first + concurrency], output_len, True)
     except KeyboardInterrupt:
         m.complete = False
         raise

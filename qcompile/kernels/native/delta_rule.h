@@ -17,9 +17,45 @@
 
 namespace qcompile_native {
 
+// delta_rule_token for dv == 16·NV (128 at every Qwen3.5 / Qwen3-Next size): Sᵀk, Sᵀq and δ in registers across the
+// rows of S instead of going through memory at every row (same operations in the same order: the same bits).
+template <int NV, class StateT>
+inline void delta_rule_token_fixed(StateT* st, const float* kt, const float* qt, const float* vt, float e, float beta,
+                                   int64_t dk, float* out) {
+  constexpr int64_t dv = 16 * NV;
+  v16 ks[NV], qs[NV];
+  for (int v = 0; v < NV; ++v) ks[v] = qs[v] = v16{};
+  float kq = 0.0f;
+  for (int64_t i = 0; i < dk; ++i) {
+    const float ki = kt[i], qi = qt[i];
+    kq += ki * qi;
+    for (int v = 0; v < NV; ++v) {
+      const v16 s = load_as_f32(st + i * dv + 16 * v);
+      ks[v] = ks[v] + ki * s;
+      qs[v] = qs[v] + qi * s;
+    }
+  }
+  v16 delta[NV];
+  for (int v = 0; v < NV; ++v) {
+    delta[v] = beta * (load(vt + 16 * v) - e * ks[v]);
+    store(out + 16 * v, e * qs[v] + kq * delta[v]);
+  }
+  for (int64_t i = 0; i < dk; ++i) {
+    const float ki = kt[i];
+    for (int v = 0; v < NV; ++v) {
+      const v16 updated = e * load_as_f32(st + i * dv + 16 * v) + ki * delta[v];
+      if constexpr (std::is_same<StateT, float>::value)
+        store(st + i * dv + 16 * v, updated);
+      else
+        narrow16(updated, st + i * dv + 16 * v);
+    }
+  }
+}
+
 template <class StateT>
 inline void delta_rule_token(StateT* st, const float* kt, const float* qt, const float* vt, float e, float beta,
                              int64_t dk, int64_t dv, float* out, float* kst, float* qst, float* row) {
+  if (dv == 128) return delta_rule_token_fixed<8>(st, kt, qt, vt, e, beta, dk, out);
   // st is f32 (used in place) or bf16 (each row widened in registers, 16 values at a time, and rounded back once:
   // for one token per step that is the same single rounding as a whole-state copy, without the copy; `row`, dv
   // floats of caller scratch, serves the rows' last dv % 16 values).
