@@ -93,8 +93,8 @@ class Sensitive(Exception):
 def spread_test(path, model, engine, ids: list[int], rows: slice, failed: Sensitive, bound: float) -> dict:
     """Judge qcompile against transformers fp32's spread instead of one sample (tests/test_fuzz_regressions.py has
     the analysis of the case that needed it): ENSEMBLE runs with the embedding table changed by ~1 ulp
-    (hf_oracle.perturbed_table; a tied head changes with it, prepared or not), each against its own genuine float64 forward, on the
-    logits of `rows` of `ids`. Pass when ours unperturbed is within 1.5x the largest transformers distance seen and
+    (hf_oracle.perturbed_table; `with_table` remakes a tied head with it, prepared or not), each against its own
+    genuine float64 forward, on the logits of `rows` of `ids`. Pass when ours unperturbed is within 1.5x the largest transformers distance seen and
     the root mean square of ours over the ensemble is at most 2x transformers'. A precision defect shifts the whole
     distribution; luck does not."""
     import torch
@@ -114,8 +114,6 @@ def spread_test(path, model, engine, ids: list[int], rows: slice, failed: Sensit
                 emb64.copy_(torch.from_numpy(t).double())
                 f64 = m64(input_ids=tokens, use_cache=False).logits[0, rows].double().numpy()
                 hf32 = m32(input_ids=tokens, use_cache=False).logits[0, rows].double().numpy()
-                # every parameter made from the table again as weight preparation makes it: a tied head is the
-                # table itself or, where the cpu layout lays the head out in panels, a prepared array made from it
                 engine.params = with_table(model, jnp.asarray(t))
                 seq = engine.add_sequence()
                 ours = np.asarray(engine.step([(seq, ids)], all_logits=True)[0], np.float64)[rows]

@@ -254,8 +254,9 @@ def test_a_steps_temporaries_follow_the_batch_not_the_number_of_experts(tmp_path
 def test_serving_runs_with_the_loaded_heap_frozen_and_collects_what_it_makes(monkeypatch):
     """frozen_heap: the objects alive on entry are out of the collector's walks (a full collection over a loaded,
     checked model's millions of objects cost 2-3 ms of a 21 ms decode step), cyclic garbage made inside is still
-    collected, and leaving unfreezes. bench times its waves inside it, after the untimed warm-up, for qcompile and
-    transformers alike."""
+    collected, and leaving unfreezes. bench times qcompile's waves and transformers' inside it, after their untimed
+    warm-ups, so both are measured under the same conditions (the rate mode, `run` and `serve` use the same context
+    manager; not exercised here)."""
     import gc
     import weakref
 
@@ -282,4 +283,17 @@ def test_serving_runs_with_the_loaded_heap_frozen_and_collects_what_it_makes(mon
     measure.bench_engine(None, "qcompile", "all", [[1, 2]] * 4, 3, 2, None, None, "cpu", lambda: None)
     assert frozen_during[0] == (False, 0)  # the warm-up compiles: not frozen
     assert len(frozen_during) == 3 and all(timed and count > 0 for timed, count in frozen_during[1:])
+    assert gc.get_freeze_count() == 0
+
+    import torch
+
+    class Model:  # transformers' call signature: logits for the last position, a cache object passed back
+        def __call__(self, input_ids, use_cache, cache=None):
+            calls.append(gc.get_freeze_count())
+            return type("Out", (), {"logits": torch.zeros(input_ids.shape[0], 1, 8), "past_key_values": None})()
+
+    calls: list[int] = []
+    measure.bench_transformers(None, "f32", [[1, 2]] * 4, 3, 2, None, {}, lambda: None, model=Model())
+    warm = 3  # the warm-up wave: its prefill and two decode steps (min(output_len, 3) tokens)
+    assert calls[:warm] == [0] * warm and len(calls) == warm + 2 * 3 and all(c > 0 for c in calls[warm:])
     assert gc.get_freeze_count() == 0

@@ -341,7 +341,8 @@ def _amx(rows, w) -> bool:
 
 def grouped_matmul_amx(rows, w, group_sizes):
     """bf16 rows times a bf16 checkpoint's experts on AMX tiles (kernels/native/amx_bf16.cc): each work item repacks
-    its expert's weights into the tiles' pair-interleaved layout as its first row block multiplies them, f32 accumulation;
+    its expert's weights into the tiles' pair-interleaved layout as its first row block multiplies them, f32
+    accumulation;
     the result rounded once to bf16. Call only when `_amx` is True."""
     call = jax.ffi.ffi_call(NATIVE_AMX, jax.ShapeDtypeStruct((rows.shape[0], w.shape[2]), jnp.float32))
     return call(rows, w, group_sizes.astype(jnp.int32)).astype(rows.dtype)

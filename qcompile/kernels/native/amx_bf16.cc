@@ -263,7 +263,8 @@ void group_product(const GroupJob& j, const GroupItem& it, float* y, int64_t ldy
   vnni.resize(static_cast<size_t>(strip));
   const uint16_t* we = j.w + it.expert * j.k * j.nout;
   const Rows rows = rows_of(j.x, j.k, it.row0, it.row0 + it.rows, padded);
-  for (int64_t s = 0; s < strips; ++s) rows_times_panel(rows, we + s * kPanel, j.nout, vnni.data(), y + s * kPanel, ldy);
+  for (int64_t s = 0; s < strips; ++s)
+    rows_times_panel(rows, we + s * kPanel, j.nout, vnni.data(), y + s * kPanel, ldy);
 }
 
 void run_group_item(const GroupJob& j, const GroupItem& it) {

@@ -17,8 +17,8 @@
 
 namespace qcompile_native {
 
-// delta_rule_token for dv == 16·NV (128 at every Qwen3.5 / Qwen3-Next size): Sᵀk, Sᵀq and δ in registers across the
-// rows of S instead of going through memory at every row (same operations in the same order: the same bits).
+// delta_rule_token for dv == 16·NV (128 at every Qwen3.5 / Qwen3-Next size): Sᵀk, Sᵀq and δ in registers across
+// the rows of S instead of going through memory at every row (same operations in the same order: the same bits).
 template <int NV, class StateT>
 inline void delta_rule_token_fixed(StateT* st, const float* kt, const float* qt, const float* vt, float e, float beta,
                                    int64_t dk, float* out) {

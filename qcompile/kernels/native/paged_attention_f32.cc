@@ -38,7 +38,6 @@ using qcompile_native::value_as_f32;
 
 constexpr int64_t kBlock = 32;  // keys per online-softmax block
 
-
 inline float dot(const float* q, const float* k, int64_t n) {
   v16 acc = {};
   int64_t c = 0;
@@ -136,8 +135,8 @@ ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> q, const ffi::AnyBuf
   const auto rd = row_pos.dimensions();
   const auto vd = v.dimensions();
   if (qd.size() != 4 || kd.size() != 4 || !std::equal(kd.begin(), kd.end(), vd.begin(), vd.end()) ||
-      td.size() != 2 || rd.size() != 2 || td[0] != qd[0] || rd[0] != qd[0] || rd[1] != qd[2] || kd[2] != qd[1] || kd[3] != qd[3] || kd[0] < 1 ||
-      td[1] < 1)
+      td.size() != 2 || rd.size() != 2 || td[0] != qd[0] || rd[0] != qd[0] || rd[1] != qd[2] || kd[2] != qd[1] ||
+      kd[3] != qd[3] || kd[0] < 1 || td[1] < 1)
     return ffi::Error::InvalidArgument("qcompile paged decode attention: expected q[W,Hkv,R,hd], pages[P,ps,Hkv,hd], "
                                        "item_pages[W,M], row_pos[W,R]");
   Job<T> job{q.typed_data(), static_cast<const T*>(k.untyped_data()), static_cast<const T*>(v.untyped_data()),
