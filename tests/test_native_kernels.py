@@ -76,6 +76,30 @@ def test_matches_float64_oracle_on_random_shapes(weights):
         assert not got[total:].any(), f"case {case}: padding rows must be 0"
 
 
+@pytest.mark.parametrize("swiglu", [False, True])
+def test_panels_match_float64_oracle_on_random_shapes(swiglu):
+    """Experts in column panels ([E, Nout/64, K, 64], the cpu layout): groups of 0-75 rows (row tiles of 1-6, several
+    tiles and items per expert), negative groups and groups past N, padding rows; with the SwiGLU epilogue; into
+    output buffers the call must write whole (XLA gives them uninitialised)."""
+    rng = np.random.default_rng(20261206)
+    for case in range(30):
+        rows, w, gs = draw_case(rng)
+        p = int(rng.integers(1, 5)) * (2 if swiglu else 1)
+        w = jnp.asarray(rng.standard_normal((w.shape[0], w.shape[1], 64 * p)), jnp.float32)
+        panels = w.reshape(w.shape[0], w.shape[1], p, 64).transpose(0, 2, 1, 3)
+        want, total = oracle(rows, w, gs)
+        if swiglu:
+            gate, up = want[:, :32 * p], want[:, 32 * p:]
+            want = gate / (1 + np.exp(-gate)) * up
+        got = np.asarray(jax.jit(gm.grouped_matmul_panels_native, static_argnums=3)(rows, panels, gs, swiglu))
+        assert got.shape == want.shape and got.dtype == np.float32
+        assert np.isfinite(got).all(), f"case {case}: unwritten output"
+        if total:
+            err = np.abs(got - want).max() / max(np.abs(want).max(), 1e-30)
+            assert err <= REL, f"case {case}: rows {rows.shape}, panels {panels.shape}, groups {np.asarray(gs)}: {err:.2e}"
+        assert not got[total:].any(), f"case {case}: padding rows must be 0"
+
+
 def test_bench_preset_shapes_and_the_cpu_rule_agree_with_the_jnp_rule():
     """The shapes the bench preset runs (E=64, top-8, K/Nout 1024/256 and 256/1024) at decode and prefill sizes,
     through `grouped_matmul_cpu` (which picks the native kernel for f32) against the jnp rule it replaces."""

@@ -180,3 +180,90 @@ def test_panel_weights_stream_in_slabs_of_panels(ckpt):
     assert len(pieces) == -(-vocab // 64 // 3) > 1 and all(p.shape[0] <= 3 for p in pieces)
     whole = np.concatenate(pieces)
     np.testing.assert_array_equal(whole, np.asarray(pack_panels(jnp.asarray(checkpoint.load("lm_head")))))
+
+
+def _experts_graph():
+    """Routed experts: f32 [gate | up] [4, 32, 128] (two panels, SwiGLU), an f32 down projection with Nout = 32 (not a
+    multiple of 64: kept), FP8 experts dequantized to f32 (they stay FP8 in the step: kept) and bf16 experts (kept)."""
+    from qcompile.ir.ops.moe import GroupedMatmul, GroupedMatmulSwiglu
+    from qcompile.ir.ops.quant import Dequantize
+
+    b = Builder()
+    rows = b.input("rows", TensorType("f32", ("N", 32)))
+    sizes = b.input("group_sizes", TensorType("i32", (4,)))
+    h = b.add(GroupedMatmulSwiglu(), rows, b.param("gate_up", TensorType("f32", (4, 32, 128))), sizes)
+    b.output("down", b.add(GroupedMatmul(), h, b.param("down", TensorType("f32", (4, 64, 32))), sizes))
+    fp8 = b.add(Dequantize((1, 32, 64), "f32"), b.param("fp8", TensorType("f8e4m3", (4, 32, 64))),
+                b.param("fp8_scale", TensorType("f32", (4, 1, 1))))
+    b.output("fp8", b.add(GroupedMatmul(), rows, fp8, sizes))
+    rows16 = b.input("rows16", TensorType("bf16", ("N", 32)))
+    b.output("bf16", b.add(GroupedMatmul(), rows16, b.param("w16", TensorType("bf16", (4, 32, 64))), sizes))
+    return b.build()
+
+
+GOLDEN_EXPERTS = """\
+graph @step {
+  %0 = input "rows" : f32[N,32]
+  %1 = input "group_sizes" : i32[4]
+  %2 = param "gate_up" : f32[4,32,128]
+  %3 = reshape(%2) {shape=[4, 32, 2, 64]} : f32[4,32,2,64]
+  %4 = transpose(%3) {perm=[0, 2, 1, 3]} : f32[4,2,32,64]
+  %5 = grouped_matmul_panels(%0, %4, %1) {swiglu=true} : f32[N,64]
+  %6 = param "down" : f32[4,64,32]
+  %7 = grouped_matmul(%5, %6, %1) : f32[N,32]
+  %8 = param "fp8" : f8e4m3[4,32,64]
+  %9 = param "fp8_scale" : f32[4,1,1]
+  %10 = dequantize(%8, %9) {block=[1, 32, 64], dtype="f32"} : f32[4,32,64]
+  %11 = grouped_matmul(%0, %10, %1) : f32[N,64]
+  %12 = input "rows16" : bf16[N,32]
+  %13 = param "w16" : bf16[4,32,64]
+  %14 = grouped_matmul(%12, %13, %1) : bf16[N,64]
+  return down=%7, fp8=%11, bf16=%14
+}
+"""
+
+
+def test_golden_cpu_layout_of_the_experts_and_what_it_keeps():
+    """f32 experts whose Nout is a multiple of 64 read [E, Nout/64, K, 64] panels; Nout = 32, FP8 experts (read as
+    FP8 by their own kernel) and bf16 experts keep [E, K, Nout]."""
+    after = in_target_layout(_experts_graph(), "cpu")
+    verify(after)
+    assert print_graph(after) == GOLDEN_EXPERTS
+
+
+def test_folded_cpu_graph_streams_expert_panels_and_computes_the_same_logits(tmp_path):
+    """A tiny checkpoint with moe_intermediate_size 64: gate and up (unfused, Nout 64) and [gate | up] (swiglu-fusion,
+    Nout 128) become grouped_matmul_panels over prepared weights; the down projection (Nout 96) keeps its layout; the
+    folded cpu build's logits match the unoptimized graph's reference rules in the reassociating class."""
+    import copy
+
+    from qcompile.frontend.tiny import full_config, write_checkpoint
+    from qcompile.ir.ops.moe import GroupedMatmul, GroupedMatmulPanels
+    from qcompile.passes.base import PassContext
+    from qcompile.passes.equivalence import EquivalenceChecker, outputs_by_item, run_graph
+    from qcompile.passes.manager import run_pipeline
+    from qcompile.passes.registry import parse_spec
+
+    config = copy.deepcopy(full_config("tiny", "qwen3_5_moe", "f32"))
+    text = config["text_config"]
+    text.update(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"], moe_intermediate_size=64)
+    checkpoint = Checkpoint.open(write_checkpoint(tmp_path / "m", config, seed=5))
+    graph = build_graph(checkpoint)
+    raw = load_params(checkpoint, graph, progress=False)
+    checker = EquivalenceChecker(graph, raw)
+    want = checker.outputs(graph, "reference")
+    fused = run_pipeline(graph, parse_spec("swiglu-fusion"), PassContext(), verify_mode="none").graph
+    for candidate, panels_per_layer in ((graph, 2), (fused, 1)):
+        folded = fold_weight_preparation(candidate, "cpu")
+        verify(folded)
+        layers = len(folded.find(GroupedMatmul))  # the down projections, kept
+        assert layers == 2 and len(folded.find(GroupedMatmulPanels)) == panels_per_layer * layers
+        for node in folded.find(GroupedMatmulPanels):
+            w = folded.node(node.operands[1].node).op
+            assert isinstance(w, Param) and w.name in prepared_names(folded) and w.type.shape[3] == 64
+        prepared = load_params(checkpoint, folded, progress=False, loaded=raw)
+        got = outputs_by_item(checker.comparable(folded, run_graph(folded, prepared, checker.caches, checker.batch,
+                                                                   "cpu")), checker.rows)
+        for key in want:
+            scale = max(float(np.abs(want[key]).max()), 1e-30)
+            assert np.abs(np.asarray(got[key], np.float64) - want[key]).max() / scale < 1e-5, key

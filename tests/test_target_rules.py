@@ -17,7 +17,7 @@ import qcompile.ir.importer  # noqa: F401  (registers the op catalogue)
 from qcompile.ir.ops.attention import KvCacheWrite, PagedAttention
 from qcompile.ir.ops.core import Greedy, Linear, LinearF32, LinearPanels, LinearSwiglu
 from qcompile.ir.ops.gdn import CausalConv1d, GatedDeltaNet, GdnRecurrence
-from qcompile.ir.ops.moe import GroupedMatmul, GroupedMatmulSwiglu, MoeCombine, MoeDispatch
+from qcompile.ir.ops.moe import GroupedMatmul, GroupedMatmulPanels, GroupedMatmulSwiglu, MoeCombine, MoeDispatch
 from qcompile.ir.registry import TAKES_QUANTIZED, lowering_rule, target_rules
 from qcompile.kernels.fp8 import QuantizedWeight, materialized
 
@@ -175,6 +175,13 @@ def _linear_panels_case(rng, batch, dtype):
     return LinearPanels(swiglu=batch == "mixed"), (rng.standard_normal((rows, 48)).astype(dtype), w)
 
 
+def _gmm_panels_case(rng, batch, dtype):
+    """Experts [8, 32, 128] in two column panels each; the SwiGLU epilogue on the mixed batch."""
+    _, (rows, _, group_sizes) = _gmm_case(rng, batch, dtype)
+    w = rng.standard_normal((8, 2, 32, 64)).astype(dtype)
+    return GroupedMatmulPanels(swiglu=batch == "mixed"), (rows, w, group_sizes)
+
+
 def _dequantize_case(rng, batch, dtype):
     """A [6, 40, 24] FP8 weight in blocks of [1, 16, 8] (the last blocks cut short)."""
     from qcompile.ir.ops.quant import Dequantize
@@ -207,6 +214,7 @@ CASES = {"paged_attention": _attention_case, "kv_cache_write": _kv_write_case, "
          "linear": _linear_case, "linear_f32": _linear_f32_case, "grouped_matmul": _gmm_case, "greedy": _greedy_case,
          "grouped_matmul_swiglu": _gmm_swiglu_case, "linear_swiglu": _linear_swiglu_case,
          "gated_delta_net": _gdn_fused_case, "linear_panels": _linear_panels_case, "moe_dispatch": _dispatch_case,
+         "grouped_matmul_panels": _gmm_panels_case,
          "moe_combine": _combine_case}
 
 
@@ -217,7 +225,7 @@ def test_every_target_rule_has_cases():
 
 def _valid_rows(op, operands, ref):
     """Rows the contract defines: padding token slots (and padded grouped-matmul rows) may differ."""
-    if isinstance(op, (GroupedMatmul, GroupedMatmulSwiglu)):
+    if isinstance(op, (GroupedMatmul, GroupedMatmulSwiglu, GroupedMatmulPanels)):
         return slice(0, int(np.sum(operands[2])))
     if isinstance(op, (PagedAttention, CausalConv1d, GdnRecurrence, GatedDeltaNet)):
         query_start = operands[4] if not isinstance(op, CausalConv1d) else operands[3]

@@ -15,6 +15,12 @@ candidate it runs with the target's rules, so the layout and its kernel are chec
              %5 = transpose(%4) {perm=[0, 2, 1]} : f32[16,1024,64]       (params-only: folded at compile time)
              %9 = linear_panels(%8, %5) {swiglu=false} : f32[T,1024]
 
+The routed experts likewise (grouped_matmul and grouped_matmul_swiglu in f32 over weights w[E, K, Nout] known at
+compile time, not FP8, Nout a multiple of 64): w[E, K, Nout] -> [E, Nout/64, K, 64], read by grouped_matmul_panels.
+In the [E, K, Nout] layout a decode step's few-row items read 256-byte pieces of weight rows one page apart; in
+panels each expert's panel is one sequential stream (the c=32 decode step's experts 37 → 22 ms on a 2-core AMD EPYC,
+docs/cpu_rules.md "Experts in column panels").
+
 Rewritten (cpu): linear and linear_swiglu in f32, or in bf16 with bf16 weights (the kernel widens them), whose weight is known at compile time (params-only, not an FP8
 weight that stays FP8 in the step), unsharded, with N a multiple of 64. Everything else keeps its op. A graph on a
 device mesh is left as it is (its weights are laid out by their shardings), and so is every graph when the native
@@ -27,7 +33,10 @@ from __future__ import annotations
 from qcompile.ir.builder import Builder
 from qcompile.ir.graph import Graph, Value
 from qcompile.ir.ops.core import Input, Linear, LinearPanels, LinearSwiglu, Param, Reshape, Transpose
+from qcompile.ir.ops.quant import Dequantize
+from qcompile.ir.ops.moe import GroupedMatmul, GroupedMatmulPanels, GroupedMatmulSwiglu
 from qcompile.kernels import native
+from qcompile.kernels.grouped_matmul import NATIVE_PANELS_F32, NATIVE_SWIGLU_PANELS_F32
 from qcompile.kernels.linear import NATIVE_PANELS, NATIVE_PANELS_BF16, PANEL
 
 #: targets whose rules want linear weights in column panels
@@ -54,12 +63,49 @@ def _panel_weights(graph: Graph) -> dict[int, bool]:
     return chosen
 
 
+def _dequantized(graph: Graph, value: Value) -> bool:
+    """Whether an FP8 dequantize produces `value` (through weight preparation): such experts stay FP8 in the step."""
+    stack, seen = [value], set()
+    while stack:
+        node = graph.node(stack.pop().node)
+        if node.id in seen:
+            continue
+        seen.add(node.id)
+        if isinstance(node.op, Dequantize):
+            return True
+        stack.extend(node.operands)
+    return False
+
+
+def _panel_experts(graph: Graph) -> dict[int, bool]:
+    """Ids of the grouped_matmul / grouped_matmul_swiglu nodes to rewrite -> whether the node is the swiglu one."""
+    from qcompile.ir.weights import params_only
+
+    pure = params_only(graph)
+    chosen: dict[int, bool] = {}
+    for node in graph.nodes():
+        if not isinstance(node.op, (GroupedMatmul, GroupedMatmulSwiglu)):
+            continue
+        swiglu = isinstance(node.op, GroupedMatmulSwiglu)
+        rows, w, _ = node.operands
+        rt, wt = graph.type_of(rows), graph.type_of(w)
+        known = w.node in pure or isinstance(graph.node(w.node).op, Param)
+        nout = wt.shape[2]
+        if (known and rt.dtype == wt.dtype == "f32" and wt.sharding is None and rt.sharding is None
+                and isinstance(nout, int) and nout % (2 * PANEL if swiglu else PANEL) == 0
+                and all(isinstance(d, int) for d in wt.shape) and not _dequantized(graph, w)
+                and native.ensure(NATIVE_SWIGLU_PANELS_F32 if swiglu else NATIVE_PANELS_F32)):
+            chosen[node.id] = swiglu
+    return chosen
+
+
 def in_target_layout(graph: Graph, target: str | None) -> Graph:
     """`graph` with its weights in `target`'s layout (module docstring); the same graph object when nothing changes."""
     if target not in PANEL_TARGETS or graph.meta.get("mesh") is not None or not native.ensure(NATIVE_PANELS):
         return graph
     chosen = _panel_weights(graph)
-    if not chosen:
+    experts = _panel_experts(graph)
+    if not chosen and not experts:
         return graph
     b = Builder()
     mapping: dict[Value, Value] = {}
@@ -77,6 +123,13 @@ def in_target_layout(graph: Graph, target: str | None) -> Graph:
                 rows = b.add(Reshape((n // PANEL, PANEL, k)), mapping[w])
                 panels[w] = b.add(Transpose((0, 2, 1)), rows)
             new = b.add(LinearPanels(swiglu=chosen[node.id]), mapping[x], panels[w])
+        elif node.id in experts:
+            rows, w, sizes = node.operands
+            if w not in panels:
+                e, k, n = graph.type_of(w).shape
+                split = b.add(Reshape((e, k, n // PANEL, PANEL)), mapping[w])
+                panels[w] = b.add(Transpose((0, 2, 1, 3)), split)
+            new = b.add(GroupedMatmulPanels(swiglu=experts[node.id]), mapping[rows], panels[w], mapping[sizes])
         else:
             new = b.add_typed(op, [mapping[v] for v in node.operands], node.types)
         mapping.update(zip(node.results, new if isinstance(new, tuple) else (new,)))

@@ -415,3 +415,46 @@ def grouped_matmul_swiglu_cpu(rows, w, group_sizes):
     if _bf16_native(rows, w) and native.ensure(NATIVE_BF16):
         return swiglu_halves(grouped_matmul_bf16_native(rows, w, group_sizes))
     return swiglu_halves(grouped_matmul_jnp(rows, w, group_sizes))
+
+
+# -- experts in column panels (the cpu target's layout of f32 experts, ir/target_layout.py) ---------------------------
+
+PANEL = 64  # columns per panel: the native kernel's register tile width
+NATIVE_PANELS_F32 = "qcompile_grouped_matmul_panels_f32"
+NATIVE_SWIGLU_PANELS_F32 = "qcompile_grouped_matmul_swiglu_panels_f32"
+
+
+def from_panels(w):
+    """[E, P, K, 64] panels back to [E, K, 64P]: v[e, k, 64p + c] = w[e, p, k, c]."""
+    e, p, k, c = w.shape
+    return jnp.transpose(w, (0, 2, 1, 3)).reshape(e, k, p * c)
+
+
+def grouped_matmul_panels_reference(rows, w, group_sizes, swiglu: bool):
+    """The panel op's reference rule: the weights back in [E, K, Nout], then grouped_matmul's (and SwiGLU's)."""
+    y = grouped_matmul_reference(rows, from_panels(w), group_sizes)
+    return swiglu_halves(y) if swiglu else y
+
+
+def grouped_matmul_panels_native(rows, w, group_sizes, swiglu: bool):
+    """The native kernel on panels (kernels/native/grouped_matmul_f32.cc): each routed expert's panels streamed front
+    to back, a row tile's accumulators in registers over all of K; the SwiGLU epilogue when `swiglu`. Call only
+    after `native.ensure` of the entry point returned True."""
+    n, nout = rows.shape[0], w.shape[1] * w.shape[3]
+    width = nout // 2 if swiglu else nout
+    if n == 0:
+        return jnp.zeros((0, width), rows.dtype)
+    call = jax.ffi.ffi_call(NATIVE_SWIGLU_PANELS_F32 if swiglu else NATIVE_PANELS_F32,
+                            jax.ShapeDtypeStruct((n, width), jnp.float32))
+    return call(rows.astype(jnp.float32), w.astype(jnp.float32), group_sizes.astype(jnp.int32))
+
+
+def grouped_matmul_panels_cpu(rows, w, group_sizes, swiglu: bool):
+    """CPU rule of the panel op: the native kernel for f32 (the layout is chosen only where it can be built), else
+    the unpacked weights through the [E, K, Nout] CPU rule."""
+    name = NATIVE_SWIGLU_PANELS_F32 if swiglu else NATIVE_PANELS_F32
+    if rows.dtype == jnp.float32 and w.dtype == jnp.float32 and native.ensure(name):
+        return grouped_matmul_panels_native(rows, w, group_sizes, swiglu)
+    if swiglu:
+        return grouped_matmul_swiglu_cpu(rows, from_panels(w), group_sizes)
+    return grouped_matmul_cpu(rows, from_panels(w), group_sizes)

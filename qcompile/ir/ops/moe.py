@@ -8,14 +8,17 @@ collectives without touching the rest.
 
 from __future__ import annotations
 
+import math
+
 import attrs
 import jax
 import jax.numpy as jnp
 
 from qcompile.ir.cost import Cost, cost, nbytes
 from qcompile.ir.registry import expect, lowering, op, type_rule
-from qcompile.kernels.grouped_matmul import (grouped_matmul_cpu, grouped_matmul_reference, grouped_matmul_swiglu_cpu,
-                                             grouped_matmul_swiglu_reference)
+from qcompile.kernels.grouped_matmul import (PANEL, grouped_matmul_cpu, grouped_matmul_panels_cpu,
+                                             grouped_matmul_panels_reference, grouped_matmul_reference,
+                                             grouped_matmul_swiglu_cpu, grouped_matmul_swiglu_reference)
 from qcompile.kernels import native
 from qcompile.kernels.fp8 import QuantizedWeight, materialized
 from qcompile.kernels.moe_routes import NATIVE_DISPATCH, combine_kernel, combine_native, dispatch_native
@@ -160,6 +163,38 @@ def _gmm_swiglu(op_, rows, w, group_sizes):
     return grouped_matmul_swiglu_reference(rows, w, group_sizes)
 
 
+@op("grouped_matmul_panels")
+@attrs.frozen
+class GroupedMatmulPanels:
+    """grouped_matmul_panels(rows[N,K], w[E,P,K,64], group_sizes[E]) -> [N,64P] = grouped_matmul(rows, v,
+    group_sizes) with v[e, k, 64p + c] = w[e, p, k, c]: expert weights prepared in column panels of 64, each stored
+    k-major — the layout the CPU's native kernel streams (ir/target_layout.py rewrites grouped_matmul and
+    grouped_matmul_swiglu so for the cpu target). swiglu: grouped_matmul_swiglu's halves on top (-> [N,32P])."""
+
+    swiglu: bool = False
+
+
+@type_rule(GroupedMatmulPanels)
+def _gmm_panels_type(op_, rows, w, group_sizes):
+    expect(w.rank == 4 and w.shape[3] == PANEL and rows.rank == 2 and rows.shape[1] == w.shape[2],
+           f"grouped_matmul_panels weight {w} is not [E,P,K,{PANEL}] panels for rows {rows}")
+    expect(group_sizes.shape == (w.shape[0],), f"group_sizes {group_sizes} do not match {w.shape[0]} experts")
+    expect(rows.dtype == w.dtype, f"grouped_matmul_panels dtypes differ: {rows.dtype} vs {w.dtype}")
+    n = w.shape[1] * PANEL
+    return rows.with_shape((rows.shape[0], n // 2 if op_.swiglu else n))
+
+
+@lowering(GroupedMatmulPanels)
+def _gmm_panels(op_, rows, w, group_sizes):
+    return grouped_matmul_panels_reference(rows, w, group_sizes, op_.swiglu)
+
+
+@lowering(GroupedMatmulPanels, "cpu")
+def _gmm_panels_cpu(op_, rows, w, group_sizes):
+    """The native panel kernel (with the SwiGLU epilogue when asked), kernels/grouped_matmul.py."""
+    return grouped_matmul_panels_cpu(rows, w, group_sizes, op_.swiglu)
+
+
 @op("moe_combine")
 @attrs.frozen
 class MoeCombine:
@@ -202,3 +237,11 @@ def _gmm_cost(op_, operands, results, step):
     (_, rows_shape), (w, w_shape), _ = operands
     experts = min(step.experts_touched, w_shape[0])
     return Cost(2.0 * rows_shape[0] * w_shape[1] * w_shape[2], experts * nbytes(w, w_shape[1:]))
+
+
+@cost(GroupedMatmulPanels)
+def _gmm_panels_cost(op_, operands, results, step):
+    """As grouped_matmul's: w[E, P, K, 64] holds the same weights."""
+    (_, rows_shape), (w, w_shape), _ = operands
+    experts = min(step.experts_touched, w_shape[0])
+    return Cost(2.0 * rows_shape[0] * math.prod(w_shape[1:]), experts * nbytes(w, w_shape[1:]))

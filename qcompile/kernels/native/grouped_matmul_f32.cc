@@ -20,6 +20,11 @@
 //   * weight rows are prefetched kPrefetchRows ahead (a panel reads 256 bytes per weight row, one row per page at
 //     Nout = 1024, which the hardware prefetchers do not follow across pages).
 // Vectors are GCC vector extensions (16 floats); -march=native maps them to AVX-512, AVX2 or SSE.
+// Panels (the ...PanelsF32 entry points, the cpu target's layout of f32 experts, ir/target_layout.py): w is
+// [E, Nout/64, K, 64], each 64-column panel of an expert stored k-major, so an item reads each panel front to back —
+// one sequential stream the hardware prefetchers follow — with its row tile's accumulators in registers over all of
+// K (the [E, K, Nout] layout makes a few-row item read 256-byte pieces of rows one page apart: 43 vs 73 GB/s on a
+// 2-core AMD EPYC, docs/cpu_rules.md "Experts in column panels").
 // FP8 weights (the ...Fp8 entry points: w is e4m3fn bytes [E, K, Nout] with f32 block scales [E, ceil(K/bk),
 // ceil(Nout/bn)]): each k block's [kc, Nout] slab is dequantized into a per-thread buffer (fp8.h) that the same
 // panels then read, so memory moves one byte per weight and the slab is multiplied while it is in L2.
@@ -142,6 +147,7 @@ struct Job {
   const uint8_t* w8 = nullptr;
   const float* scale = nullptr;
   const uint16_t* w16 = nullptr;  // bf16 weights [E, K, Nout] (w null)
+  bool panels = false;            // w is [E, Nout/64, K, 64] (f32)
   int64_t bk = 1, bn = 1, kblocks = 1, nblocks = 1;
 };
 
@@ -154,8 +160,25 @@ void dequant_slab(const Job& j, int64_t e, int64_t k0, int64_t kc, float* buf) {
                                  buf + kk * j.nout);
 }
 
+// rows[it] · w[e] with w in panels ([E, Nout/64, K, 64]): per panel, each row tile's accumulators stay in registers
+// over all of K while the panel streams by (re-read from L2 by the next row tile: 256 KiB at K = 1024).
+void panel_product(const Job& j, const Item& it, float* out, int64_t ldo) {
+  const float* we = j.w + it.expert * j.k * j.nout;
+  for (int64_t p = 0; p < j.nout / kNr; ++p) {
+    const float* wp = we + p * j.k * kNr;
+    for (int64_t r = 0; r < it.rows; r += kMr) {
+      const int rows = static_cast<int>(std::min<int64_t>(kMr, it.rows - r));
+      tile_rows<kNv, float>(j.x + (it.row0 + r) * j.k, j.k, rows, wp, kNr, j.k, out + r * ldo + p * kNr, ldo, false);
+    }
+  }
+}
+
 // rows[it] · w[e] into out (ldo floats per row), k blocks outer, 64-column panels, row tiles inner.
 void product(const Job& j, const Item& it, float* out, int64_t ldo) {
+  if (j.panels) {
+    panel_product(j, it, out, ldo);
+    return;
+  }
   const int64_t kblock = std::max<int64_t>(16, kSlabFloats / std::max<int64_t>(j.nout, 1));
   thread_local std::vector<float> slab;  // FP8 or bf16: the k block's weights, in f32
   if (j.w8 != nullptr || j.w16 != nullptr) slab.resize(static_cast<size_t>(std::min(kblock, j.k) * j.nout));
@@ -256,6 +279,27 @@ ffi::Error Run(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> rows, ffi::Buffer<ffi
   return Launch(pool, job, rd[0], wd[0], group_sizes.typed_data());
 }
 
+// w in panels [E, P, K, 64]: Nout = 64 P.
+ffi::Error RunPanels(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> rows, ffi::Buffer<ffi::F32> w,
+                     ffi::Buffer<ffi::S32> group_sizes, ffi::ResultBuffer<ffi::F32> out, bool swiglu) {
+  const auto rd = rows.dimensions();
+  const auto wd = w.dimensions();
+  const auto gd = group_sizes.dimensions();
+  if (rd.size() != 2 || wd.size() != 4 || gd.size() != 1 || wd[2] != rd[1] || wd[3] != kNr || gd[0] != wd[0] ||
+      (swiglu && wd[1] % 2))
+    return ffi::Error::InvalidArgument("qcompile grouped matmul panels: expected rows[N,K], w[E,P,K,64] (an even P "
+                                       "for swiglu), group_sizes[E]");
+  auto job = std::make_shared<Job>();
+  job->x = rows.typed_data();
+  job->w = w.typed_data();
+  job->out = out->typed_data();
+  job->k = rd[1];
+  job->nout = wd[1] * kNr;
+  job->swiglu = swiglu;
+  job->panels = true;
+  return Launch(pool, job, rd[0], wd[0], group_sizes.typed_data());
+}
+
 ffi::Error RunFp8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> rows, ffi::AnyBuffer w, ffi::Buffer<ffi::F32> scale,
                   ffi::Buffer<ffi::S32> group_sizes, ffi::ResultBuffer<ffi::F32> out, int64_t bk, int64_t bn,
                   bool swiglu) {
@@ -315,6 +359,16 @@ ffi::Error GroupedMatmulSwigluF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> ro
   return Run(pool, rows, w, group_sizes, out, true);
 }
 
+ffi::Error GroupedMatmulPanelsF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> rows, ffi::Buffer<ffi::F32> w,
+                                  ffi::Buffer<ffi::S32> group_sizes, ffi::ResultBuffer<ffi::F32> out) {
+  return RunPanels(pool, rows, w, group_sizes, out, false);
+}
+
+ffi::Error GroupedMatmulSwigluPanelsF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> rows, ffi::Buffer<ffi::F32> w,
+                                        ffi::Buffer<ffi::S32> group_sizes, ffi::ResultBuffer<ffi::F32> out) {
+  return RunPanels(pool, rows, w, group_sizes, out, true);
+}
+
 ffi::Error GroupedMatmulFp8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> rows, ffi::AnyBuffer w,
                             ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::S32> group_sizes,
                             ffi::ResultBuffer<ffi::F32> out, int64_t bk, int64_t bn) {
@@ -340,6 +394,10 @@ ffi::Error GroupedMatmulSwigluFp8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> ro
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QcompileGroupedMatmulF32, GroupedMatmulF32, QCOMPILE_GROUPED_MATMUL_BINDING);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QcompileGroupedMatmulSwigluF32, GroupedMatmulSwigluF32, QCOMPILE_GROUPED_MATMUL_BINDING);
+// rows[N,K], w[E,P,K,64] (panels), group_sizes[E] -> out: the same binding, w of rank 4.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QcompileGroupedMatmulPanelsF32, GroupedMatmulPanelsF32, QCOMPILE_GROUPED_MATMUL_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QcompileGroupedMatmulSwigluPanelsF32, GroupedMatmulSwigluPanelsF32,
+                              QCOMPILE_GROUPED_MATMUL_BINDING);
 
 // rows[N,K] f32, w[E,K,Nout] bf16, group_sizes[E] -> out f32.
 #define QCOMPILE_GROUPED_MATMUL_BF16_BINDING           \
