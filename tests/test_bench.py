@@ -127,6 +127,29 @@ def test_workload_scaling_and_ablation_specs():
         workload_shape("decode-heavy", 0, None, 64)
 
 
+def test_rooflines_are_priced_at_the_best_ceilings_measured_before_and_after(tiny, monkeypatch):
+    """The ceilings are measured before the runs and again after; every run's roofline (qcompile's and transformers')
+    is priced at the higher of each: with the second measurement 4x the first, the roofline seconds are a quarter of
+    what the first alone gives, and the report keeps both measurements."""
+    slow = {**FAKE_CEILINGS, "matmul_flops_per_s": dict(FAKE_CEILINGS["matmul_flops_per_s"])}
+    fast = {**slow, "copy_bytes_per_s": 4e10, "read_bytes_per_s": 4e10, "bandwidth_bytes_per_s": 4e10,
+            "matmul_flops_per_s": {"f32": 4e11, "bf16": 4e11}}
+    opts = BenchOptions(source=tiny, input_len=8, output_len=3, concurrency=(1,), verify="none",
+                        compare=("transformers",))
+    seconds = {}
+    for name, sequence in (("same", [slow, slow]), ("drifted", [slow, fast])):
+        given = iter(sequence)
+        monkeypatch.setattr(bench_mod, "measure_ceilings", lambda: next(given))
+        result = run_bench(opts, emit=lambda line: None)
+        seconds[name] = [(run["roofline_seconds"]["prefill"], run["roofline_seconds"]["decode"])
+                         for run in result["runs"]]
+    assert result["machine"]["bandwidth_bytes_per_s"] == 4e10 and result["machine"]["matmul_flops_per_s"]["f32"] == 4e11
+    assert [m["bandwidth_bytes_per_s"] for m in result["machine"]["measurements"]] == [1e10, 4e10]
+    assert len(seconds["same"]) == 2 and all(p > 0 and d > 0 for p, d in seconds["same"])
+    for (p1, d1), (p4, d4) in zip(seconds["same"], seconds["drifted"]):
+        assert p4 == pytest.approx(p1 / 4) and d4 == pytest.approx(d1 / 4)
+
+
 def test_ctrl_c_prints_what_was_measured(tiny, monkeypatch, tmp_path):
     real = bench_mod.bench_engine
     calls = []
