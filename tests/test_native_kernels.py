@@ -76,16 +76,20 @@ def test_matches_float64_oracle_on_random_shapes(weights):
         assert not got[total:].any(), f"case {case}: padding rows must be 0"
 
 
+@pytest.mark.parametrize("weights", ["f32", "bf16"])
 @pytest.mark.parametrize("swiglu", [False, True])
-def test_panels_match_float64_oracle_on_random_shapes(swiglu):
-    """Experts in column panels ([E, Nout/64, K, 64], the cpu layout): groups of 0-75 rows (row tiles of 1-6, several
-    tiles and items per expert), negative groups and groups past N, padding rows; with the SwiGLU epilogue; into
-    output buffers the call must write whole (XLA gives them uninitialised)."""
+def test_panels_match_float64_oracle_on_random_shapes(swiglu, weights):
+    """Experts in column panels ([E, Nout/64, K, 64], the cpu layout), f32 or bf16 (widened in registers for one row
+    tile, into an f32 panel for more): groups of 0-75 rows (row tiles of 1-6, several tiles and items per expert),
+    negative groups and groups past N, padding rows; with SwiGLU (f32: the kernel's epilogue); into output buffers
+    the call must write whole (XLA gives them uninitialised)."""
     rng = np.random.default_rng(20261206)
     for case in range(30):
         rows, w, gs = draw_case(rng)
         p = int(rng.integers(1, 5)) * (2 if swiglu else 1)
         w = jnp.asarray(rng.standard_normal((w.shape[0], w.shape[1], 64 * p)), jnp.float32)
+        if weights == "bf16":
+            w = w.astype(jnp.bfloat16)
         panels = w.reshape(w.shape[0], w.shape[1], p, 64).transpose(0, 2, 1, 3)
         want, total = oracle(rows, w, gs)
         if swiglu:

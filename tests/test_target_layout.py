@@ -223,12 +223,44 @@ graph @step {
 """
 
 
-def test_golden_cpu_layout_of_the_experts_and_what_it_keeps():
+def test_golden_cpu_layout_of_the_experts_and_what_it_keeps(monkeypatch):
     """f32 experts whose Nout is a multiple of 64 read [E, Nout/64, K, 64] panels; Nout = 32, FP8 experts (read as
-    FP8 by their own kernel) and bf16 experts keep [E, K, Nout]."""
+    FP8 by their own kernel) and — on a CPU with AMX tiles, whose kernel reads [E, K, Nout] — bf16 experts keep
+    [E, K, Nout]."""
+    from qcompile.kernels import native
+
+    monkeypatch.setattr(native, "amx_bf16", lambda: True)
     after = in_target_layout(_experts_graph(), "cpu")
     verify(after)
     assert print_graph(after) == GOLDEN_EXPERTS
+
+
+def test_bf16_experts_go_into_panels_without_amx(monkeypatch):
+    """Without AMX tiles, bf16 experts read bf16 panels (the kernel widens them in registers), and the panel rule
+    matches the reference on them (SwiGLU's halves after the bf16 rounding, as the reference takes them)."""
+    import jax
+    import jax.numpy as jnp
+
+    from qcompile.ir.lowering import lower
+    from qcompile.ir.ops.moe import GroupedMatmulPanels, GroupedMatmulSwiglu
+    from qcompile.kernels import native
+
+    monkeypatch.setattr(native, "amx_bf16", lambda: False)
+    b = Builder()
+    rows = b.input("rows", TensorType("bf16", (24, 32)))
+    sizes = b.input("group_sizes", TensorType("i32", (4,)))
+    b.output("h", b.add(GroupedMatmulSwiglu(), rows, b.param("w", TensorType("bf16", (4, 32, 128))), sizes))
+    graph = b.build()
+    laid = in_target_layout(graph, "cpu")
+    (node,) = laid.find(GroupedMatmulPanels)
+    assert node.op.swiglu and str(laid.type_of(node.operands[1])) == "bf16[4,2,32,64]"
+    rng = np.random.default_rng(4)
+    inputs = {"rows": jnp.asarray(rng.standard_normal((24, 32)), jnp.bfloat16),
+              "group_sizes": jnp.asarray([5, 0, 11, 6], jnp.int32)}
+    params = {"w": jnp.asarray(rng.standard_normal((4, 32, 128)) / 6, jnp.bfloat16)}
+    want = np.asarray(jax.jit(lower(graph, "reference"))(params, inputs)["h"], np.float64)[:22]
+    got = np.asarray(jax.jit(lower(laid, "cpu"))(params, inputs)["h"], np.float64)[:22]
+    assert np.abs(want).max() > 0 and np.abs(got - want).max() <= 1e-2 * np.abs(want).max()
 
 
 def test_folded_cpu_graph_streams_expert_panels_and_computes_the_same_logits(tmp_path):

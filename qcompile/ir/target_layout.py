@@ -15,8 +15,9 @@ candidate it runs with the target's rules, so the layout and its kernel are chec
              %5 = transpose(%4) {perm=[0, 2, 1]} : f32[16,1024,64]       (params-only: folded at compile time)
              %9 = linear_panels(%8, %5) {swiglu=false} : f32[T,1024]
 
-The routed experts likewise (grouped_matmul and grouped_matmul_swiglu in f32 over weights w[E, K, Nout] known at
-compile time, not FP8, Nout a multiple of 64): w[E, K, Nout] -> [E, Nout/64, K, 64], read by grouped_matmul_panels.
+The routed experts likewise (grouped_matmul and grouped_matmul_swiglu in f32 — or bf16 where the CPU has no AMX
+tiles, whose kernel reads [E, K, Nout] — over weights w[E, K, Nout] known at compile time, not FP8, Nout a multiple
+of 64): w[E, K, Nout] -> [E, Nout/64, K, 64], read by grouped_matmul_panels.
 In the [E, K, Nout] layout a decode step's few-row items read 256-byte pieces of weight rows one page apart; in
 panels each expert's panel is one sequential stream (the c=32 decode step's experts 37 → 22 ms on a 2-core AMD EPYC,
 docs/cpu_rules.md "Experts in column panels").
@@ -36,7 +37,7 @@ from qcompile.ir.ops.core import Input, Linear, LinearPanels, LinearSwiglu, Para
 from qcompile.ir.ops.quant import Dequantize
 from qcompile.ir.ops.moe import GroupedMatmul, GroupedMatmulPanels, GroupedMatmulSwiglu
 from qcompile.kernels import native
-from qcompile.kernels.grouped_matmul import NATIVE_PANELS_F32, NATIVE_SWIGLU_PANELS_F32
+from qcompile.kernels.grouped_matmul import panel_kernel
 from qcompile.kernels.linear import NATIVE_PANELS, NATIVE_PANELS_BF16, PANEL
 
 #: targets whose rules want linear weights in column panels
@@ -91,10 +92,11 @@ def _panel_experts(graph: Graph) -> dict[int, bool]:
         rt, wt = graph.type_of(rows), graph.type_of(w)
         known = w.node in pure or isinstance(graph.node(w.node).op, Param)
         nout = wt.shape[2]
-        if (known and rt.dtype == wt.dtype == "f32" and wt.sharding is None and rt.sharding is None
+        kernel = panel_kernel(wt.dtype, swiglu) if rt.dtype == wt.dtype else None
+        if (known and kernel is not None and wt.sharding is None and rt.sharding is None
                 and isinstance(nout, int) and nout % (2 * PANEL if swiglu else PANEL) == 0
                 and all(isinstance(d, int) for d in wt.shape) and not _dequantized(graph, w)
-                and native.ensure(NATIVE_SWIGLU_PANELS_F32 if swiglu else NATIVE_PANELS_F32)):
+                and native.ensure(kernel)):
             chosen[node.id] = swiglu
     return chosen
 

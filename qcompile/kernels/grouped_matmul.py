@@ -417,11 +417,22 @@ def grouped_matmul_swiglu_cpu(rows, w, group_sizes):
     return swiglu_halves(grouped_matmul_jnp(rows, w, group_sizes))
 
 
-# -- experts in column panels (the cpu target's layout of f32 experts, ir/target_layout.py) ---------------------------
+# -- experts in column panels (the cpu target's layout of f32 experts, and of bf16 ones without AMX) ------------------
 
 PANEL = 64  # columns per panel: the native kernel's register tile width
 NATIVE_PANELS_F32 = "qcompile_grouped_matmul_panels_f32"
 NATIVE_SWIGLU_PANELS_F32 = "qcompile_grouped_matmul_swiglu_panels_f32"
+NATIVE_PANELS_BF16 = "qcompile_grouped_matmul_panels_bf16"
+
+
+def panel_kernel(dtype, swiglu: bool) -> str | None:
+    """The native entry point reading experts of `dtype` in panels (None: none for that dtype). bf16 experts go into
+    panels only where the CPU has no AMX tiles: the AMX kernel, faster from 8 rows per expert, reads [E, K, Nout]."""
+    if dtype == "f32":
+        return NATIVE_SWIGLU_PANELS_F32 if swiglu else NATIVE_PANELS_F32
+    if dtype == "bf16" and not native.amx_bf16():
+        return NATIVE_PANELS_BF16
+    return None
 
 
 def from_panels(w):
@@ -438,22 +449,31 @@ def grouped_matmul_panels_reference(rows, w, group_sizes, swiglu: bool):
 
 def grouped_matmul_panels_native(rows, w, group_sizes, swiglu: bool):
     """The native kernel on panels (kernels/native/grouped_matmul_f32.cc): each routed expert's panels streamed front
-    to back, a row tile's accumulators in registers over all of K; the SwiGLU epilogue when `swiglu`. Call only
-    after `native.ensure` of the entry point returned True."""
+    to back, a row tile's accumulators in registers over all of K. f32: the SwiGLU epilogue in the kernel when
+    `swiglu`; bf16 weights (read as they are, widened in registers): rows widened before, the f32 product rounded once
+    to the rows' dtype, then SwiGLU's halves as the reference takes them. Call only after `native.ensure` of the
+    entry point returned True."""
     n, nout = rows.shape[0], w.shape[1] * w.shape[3]
-    width = nout // 2 if swiglu else nout
+    fused = swiglu and w.dtype == jnp.float32
+    width = nout // 2 if fused else nout
     if n == 0:
-        return jnp.zeros((0, width), rows.dtype)
+        return jnp.zeros((0, nout // 2 if swiglu else nout), rows.dtype)
+    if w.dtype == jnp.bfloat16:
+        call = jax.ffi.ffi_call(NATIVE_PANELS_BF16, jax.ShapeDtypeStruct((n, width), jnp.float32))
+        y = call(rows.astype(jnp.float32), w, group_sizes.astype(jnp.int32)).astype(rows.dtype)
+        return swiglu_halves(y) if swiglu else y
     call = jax.ffi.ffi_call(NATIVE_SWIGLU_PANELS_F32 if swiglu else NATIVE_PANELS_F32,
                             jax.ShapeDtypeStruct((n, width), jnp.float32))
     return call(rows.astype(jnp.float32), w.astype(jnp.float32), group_sizes.astype(jnp.int32))
 
 
 def grouped_matmul_panels_cpu(rows, w, group_sizes, swiglu: bool):
-    """CPU rule of the panel op: the native kernel for f32 (the layout is chosen only where it can be built), else
-    the unpacked weights through the [E, K, Nout] CPU rule."""
+    """CPU rule of the panel op: the native kernel (the layout is chosen only where it can be built), else the
+    unpacked weights through the [E, K, Nout] CPU rule."""
+    f32 = rows.dtype == w.dtype == jnp.float32
+    bf16 = w.dtype == jnp.bfloat16 and rows.dtype in (jnp.float32, jnp.bfloat16)
     name = NATIVE_SWIGLU_PANELS_F32 if swiglu else NATIVE_PANELS_F32
-    if rows.dtype == jnp.float32 and w.dtype == jnp.float32 and native.ensure(name):
+    if (f32 and native.ensure(name)) or (bf16 and native.ensure(NATIVE_PANELS_BF16)):
         return grouped_matmul_panels_native(rows, w, group_sizes, swiglu)
     if swiglu:
         return grouped_matmul_swiglu_cpu(rows, from_panels(w), group_sizes)

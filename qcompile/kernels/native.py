@@ -46,6 +46,7 @@ KERNELS = {
     "qcompile_grouped_matmul_swiglu_f32": ("grouped_matmul_f32.cc", "QcompileGroupedMatmulSwigluF32"),
     "qcompile_grouped_matmul_panels_f32": ("grouped_matmul_f32.cc", "QcompileGroupedMatmulPanelsF32"),
     "qcompile_grouped_matmul_swiglu_panels_f32": ("grouped_matmul_f32.cc", "QcompileGroupedMatmulSwigluPanelsF32"),
+    "qcompile_grouped_matmul_panels_bf16": ("grouped_matmul_f32.cc", "QcompileGroupedMatmulPanelsBf16"),
     "qcompile_grouped_matmul_fp8": ("grouped_matmul_f32.cc", "QcompileGroupedMatmulFp8"),
     "qcompile_grouped_matmul_swiglu_fp8": ("grouped_matmul_f32.cc", "QcompileGroupedMatmulSwigluFp8"),
     "qcompile_grouped_matmul_bf16": ("grouped_matmul_f32.cc", "QcompileGroupedMatmulBf16"),

@@ -20,7 +20,7 @@
 //   * weight rows are prefetched kPrefetchRows ahead (a panel reads 256 bytes per weight row, one row per page at
 //     Nout = 1024, which the hardware prefetchers do not follow across pages).
 // Vectors are GCC vector extensions (16 floats); -march=native maps them to AVX-512, AVX2 or SSE.
-// Panels (the ...PanelsF32 entry points, the cpu target's layout of f32 experts, ir/target_layout.py): w is
+// Panels (the ...Panels entry points, the cpu target's layout of f32 and bf16 experts, ir/target_layout.py): w is
 // [E, Nout/64, K, 64], each 64-column panel of an expert stored k-major, so an item reads each panel front to back —
 // one sequential stream the hardware prefetchers follow — with its row tile's accumulators in registers over all of
 // K (the [E, K, Nout] layout makes a few-row item read 256-byte pieces of rows one page apart: 43 vs 73 GB/s on a
@@ -161,14 +161,27 @@ void dequant_slab(const Job& j, int64_t e, int64_t k0, int64_t kc, float* buf) {
 }
 
 // rows[it] · w[e] with w in panels ([E, Nout/64, K, 64]): per panel, each row tile's accumulators stay in registers
-// over all of K while the panel streams by (re-read from L2 by the next row tile: 256 KiB at K = 1024).
+// over all of K while the panel streams by (re-read from L2 by the next row tile: 256 KiB at K = 1024). bf16 panels
+// are widened in registers for an item of one row tile, into a per-thread f32 panel for more (widened once).
 void panel_product(const Job& j, const Item& it, float* out, int64_t ldo) {
-  const float* we = j.w + it.expert * j.k * j.nout;
+  const int64_t panel = j.k * kNr;
+  thread_local std::vector<float> widened;
   for (int64_t p = 0; p < j.nout / kNr; ++p) {
-    const float* wp = we + p * j.k * kNr;
+    const int64_t at = (it.expert * (j.nout / kNr) + p) * panel;
+    const float* wp = j.w != nullptr ? j.w + at : nullptr;
+    if (wp == nullptr && it.rows > kMr) {
+      widened.resize(static_cast<size_t>(panel));
+      qcompile_native::widen(j.w16 + at, widened.data(), panel);
+      wp = widened.data();
+    }
     for (int64_t r = 0; r < it.rows; r += kMr) {
       const int rows = static_cast<int>(std::min<int64_t>(kMr, it.rows - r));
-      tile_rows<kNv, float>(j.x + (it.row0 + r) * j.k, j.k, rows, wp, kNr, j.k, out + r * ldo + p * kNr, ldo, false);
+      const float* x = j.x + (it.row0 + r) * j.k;
+      float* o = out + r * ldo + p * kNr;
+      if (wp != nullptr)
+        tile_rows<kNv, float>(x, j.k, rows, wp, kNr, j.k, o, ldo, false);
+      else
+        tile_rows<kNv, uint16_t>(x, j.k, rows, j.w16 + at, kNr, j.k, o, ldo, false);
     }
   }
 }
@@ -349,6 +362,28 @@ ffi::Error GroupedMatmulBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> rows, f
   return Launch(pool, job, rd[0], wd[0], group_sizes.typed_data());
 }
 
+// rows[N,K] f32, w[E,P,K,64] bf16 panels -> out f32 (SwiGLU, if any, after rounding: as GroupedMatmulBf16).
+ffi::Error GroupedMatmulPanelsBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> rows, ffi::AnyBuffer w,
+                                   ffi::Buffer<ffi::S32> group_sizes, ffi::ResultBuffer<ffi::F32> out) {
+  const auto rd = rows.dimensions();
+  const auto wd = w.dimensions();
+  const auto gd = group_sizes.dimensions();
+  if (w.element_type() != ffi::DataType::BF16 || rd.size() != 2 || wd.size() != 4 || gd.size() != 1 ||
+      wd[2] != rd[1] || wd[3] != kNr || gd[0] != wd[0])
+    return ffi::Error::InvalidArgument("qcompile grouped matmul panels bf16: expected rows[N,K] f32, w[E,P,K,64] "
+                                       "bf16, group_sizes[E]");
+  auto job = std::make_shared<Job>();
+  job->x = rows.typed_data();
+  job->w = nullptr;
+  job->w16 = static_cast<const uint16_t*>(w.untyped_data());
+  job->out = out->typed_data();
+  job->k = rd[1];
+  job->nout = wd[1] * kNr;
+  job->swiglu = false;
+  job->panels = true;
+  return Launch(pool, job, rd[0], wd[0], group_sizes.typed_data());
+}
+
 ffi::Error GroupedMatmulF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> rows, ffi::Buffer<ffi::F32> w,
                             ffi::Buffer<ffi::S32> group_sizes, ffi::ResultBuffer<ffi::F32> out) {
   return Run(pool, rows, w, group_sizes, out, false);
@@ -409,6 +444,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(QcompileGroupedMatmulSwigluPanelsF32, GroupedMatmu
       .Ret<ffi::Buffer<ffi::F32>>()
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QcompileGroupedMatmulBf16, GroupedMatmulBf16, QCOMPILE_GROUPED_MATMUL_BF16_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QcompileGroupedMatmulPanelsBf16, GroupedMatmulPanelsBf16,
+                              QCOMPILE_GROUPED_MATMUL_BF16_BINDING);
 
 // rows[N,K] f32, w[E,K,Nout] e4m3fn (taken as bytes), scale[E,KB,NB] f32, group_sizes[E]; attrs block_k, block_n -> out.
 #define QCOMPILE_GROUPED_MATMUL_FP8_BINDING            \
