@@ -76,27 +76,40 @@ def test_matches_float64_oracle_on_random_shapes(weights):
         assert not got[total:].any(), f"case {case}: padding rows must be 0"
 
 
-@pytest.mark.parametrize("weights", ["f32", "bf16"])
+@pytest.mark.parametrize("weights", ["f32", "bf16", "bf16 pairs"])
 @pytest.mark.parametrize("swiglu", [False, True])
 def test_panels_match_float64_oracle_on_random_shapes(swiglu, weights):
     """Experts in column panels ([E, Nout/64, K, 64], the cpu layout), f32 or bf16 (widened in registers for one row
     tile, into an f32 panel for more): groups of 0-75 rows (row tiles of 1-6, several tiles and items per expert),
-    negative groups and groups past N, padding rows; with SwiGLU (f32: the kernel's epilogue); into output buffers
-    the call must write whole (XLA gives them uninitialised)."""
+    negative groups and groups past N, padding rows; with SwiGLU (f32: the kernel's epilogue); bf16 rows with bf16
+    panels on VDPBF16PS pairs where the CPU has them (K made even); into output buffers the call must write whole
+    (XLA gives them uninitialised)."""
+    if weights == "bf16 pairs" and not native.avx512_bf16():
+        pytest.skip("this CPU has no AVX512_BF16 (VDPBF16PS)")
     rng = np.random.default_rng(20261206)
-    for case in range(30):
+    pairs = jax.jit(lambda r, w, g: jax.ffi.ffi_call(gm.NATIVE_PANELS_BF16_PAIRS, jax.ShapeDtypeStruct(
+        (r.shape[0], w.shape[1] * w.shape[3]), jnp.float32))(r, w, g))  # f32 out: the kernel before any rounding
+    for case in range(16):
         rows, w, gs = draw_case(rng)
+        if weights == "bf16 pairs":  # bf16 rows, K even
+            rows = jnp.concatenate([rows, rows[:, :1]], axis=1) if rows.shape[1] % 2 else rows
+            rows = rows.astype(jnp.bfloat16)
         p = int(rng.integers(1, 5)) * (2 if swiglu else 1)
-        w = jnp.asarray(rng.standard_normal((w.shape[0], w.shape[1], 64 * p)), jnp.float32)
-        if weights == "bf16":
+        w = jnp.asarray(rng.standard_normal((w.shape[0], rows.shape[1], 64 * p)), jnp.float32)
+        if weights != "f32":
             w = w.astype(jnp.bfloat16)
         panels = w.reshape(w.shape[0], w.shape[1], p, 64).transpose(0, 2, 1, 3)
         want, total = oracle(rows, w, gs)
         if swiglu:
             gate, up = want[:, :32 * p], want[:, 32 * p:]
             want = gate / (1 + np.exp(-gate)) * up
-        got = np.asarray(jax.jit(gm.grouped_matmul_panels_native, static_argnums=3)(rows, panels, gs, swiglu))
-        assert got.shape == want.shape and got.dtype == np.float32
+        if weights == "bf16 pairs":
+            got = np.asarray(pairs(rows, panels, gs), np.float64)
+            if swiglu:
+                got = got[:, :32 * p] / (1 + np.exp(-got[:, :32 * p])) * got[:, 32 * p:]
+        else:
+            got = np.asarray(jax.jit(gm.grouped_matmul_panels_native, static_argnums=3)(rows, panels, gs, swiglu))
+        assert got.shape == want.shape and got.dtype == (np.float64 if weights == "bf16 pairs" else np.float32)
         assert np.isfinite(got).all(), f"case {case}: unwritten output"
         if total:
             err = np.abs(got - want).max() / max(np.abs(want).max(), 1e-30)
@@ -170,13 +183,44 @@ def test_linear_panels_matches_float64_oracle_on_random_shapes(weights):
             assert err <= REL, f"x {x.shape}, {panels} panels: {err:.2e}"
 
 
+@pytest.mark.skipif(not native.avx512_bf16(), reason="this CPU has no AVX512_BF16 (VDPBF16PS)")
+def test_linear_panels_bf16_pairs_match_float64_oracle():
+    """VDPBF16PS tiles (bf16 activations and panels, K even): pairs of k summed into f32 accumulators, rows k and
+    k + 1 interleaved in registers and put back in column order at the store — a column swapped between the two
+    halves of a 128-bit lane, a dropped pair or a k block added twice is far beyond 1e-5; row tiles of 1-6, row
+    chunks past 48, k blocks of 64 with tails, T = 0 and K = 0. Against float64 products of the same bf16 values
+    (measured ≤ 7e-7)."""
+    rng = np.random.default_rng(20261206)
+    assert native.ensure(lin.NATIVE_PANELS_BF16_PAIRS)
+    shapes = [(1, 64, 1), (7, 130, 3), (32, 1024, 4), (100, 1100, 2), (3, 2, 1), (49, 66, 10), (0, 4, 1), (5, 0, 1)]
+    shapes += [(int(rng.integers(1, 120)), 2 * int(rng.integers(1, 400)), int(rng.integers(1, 12))) for _ in range(10)]
+    for t, k, panels in shapes:
+        x = jnp.asarray(rng.standard_normal((t, k)), jnp.bfloat16)
+        w = jnp.asarray(rng.standard_normal((panels * lin.PANEL, k)), jnp.bfloat16)
+        want = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
+        call = jax.ffi.ffi_call(lin.NATIVE_PANELS_BF16_PAIRS, jax.ShapeDtypeStruct((t, panels * lin.PANEL), jnp.float32))
+        got = np.asarray(jax.jit(call)(x, lin.pack_panels(w)), np.float64)
+        assert np.isfinite(got).all(), f"x {x.shape}: unwritten output"
+        if want.size and np.abs(want).max() > 0:
+            err = np.abs(got - want).max() / np.abs(want).max()
+            assert err <= REL, f"x {x.shape}, {panels} panels: {err:.2e}"
+        else:
+            assert not got.any()
+    text = jax.jit(lin.linear_panels_cpu).lower(jnp.ones((4, 32), jnp.bfloat16),
+                                                lin.pack_panels(jnp.ones((64, 32), jnp.bfloat16))).as_text()
+    assert lin.NATIVE_PANELS_BF16_PAIRS in text  # 4 rows: below AMX's threshold, so pairs wherever AVX512_BF16 is
+
+
 def test_linear_panels_rule_uses_the_kernel_at_every_row_count():
     w = lin.pack_panels(jnp.ones((128, 32), jnp.float32))
     text = lambda x, w: jax.jit(lin.linear_panels_cpu).lower(x, w).as_text()  # noqa: E731
     assert lin.NATIVE_PANELS in text(jnp.ones((2, 24, 32), jnp.float32), w)     # decode-sized
     assert lin.NATIVE_PANELS in text(jnp.ones((512, 32), jnp.float32), w)       # prefill-sized
     bf16 = text(jnp.ones((lin.AMX_MIN_ROWS - 1, 32), jnp.bfloat16), w.astype(jnp.bfloat16))  # below AMX's rows
-    assert lin.NATIVE_PANELS not in bf16 and lin.NATIVE_PANELS_BF16 in bf16
+    pairs = lin.NATIVE_PANELS_BF16_PAIRS if native.avx512_bf16() else lin.NATIVE_PANELS_BF16
+    assert lin.NATIVE_PANELS not in bf16 and pairs in bf16
+    widened = text(jnp.ones((lin.AMX_MIN_ROWS - 1, 32), jnp.float32), w.astype(jnp.bfloat16))  # f32 rows: widened
+    assert lin.NATIVE_PANELS_BF16 in widened and lin.NATIVE_PANELS_BF16_PAIRS not in widened
 
 
 def test_linear_rule_uses_the_kernel_for_few_f32_rows_only():

@@ -299,3 +299,35 @@ def test_folded_cpu_graph_streams_expert_panels_and_computes_the_same_logits(tmp
         for key in want:
             scale = max(float(np.abs(want[key]).max()), 1e-30)
             assert np.abs(np.asarray(got[key], np.float64) - want[key]).max() / scale < 1e-5, key
+
+
+def test_expert_panel_weights_stream_in_slabs_of_experts(tmp_path):
+    """The expert panel recipe (the importer's transpose, a reshape keeping axis 0, a transpose keeping it) is row-wise
+    over the experts: slabs of experts read only their own experts' rows and together equal the whole packed weight."""
+    import copy
+
+    import jax.numpy as jnp
+
+    from qcompile.frontend.tiny import full_config, write_checkpoint
+    from qcompile.ir.weights import weight_pieces
+
+    config = copy.deepcopy(full_config("tiny", "qwen3_5_moe", "f32"))
+    config["text_config"].update(num_hidden_layers=1, layer_types=["full_attention"], moe_intermediate_size=64)
+    checkpoint = Checkpoint.open(write_checkpoint(tmp_path / "m", config, seed=2))
+    folded = fold_weight_preparation(build_graph(checkpoint), "cpu")
+    name = next(n for n in prepared_names(folded) if "reshape" in folded.meta["prepared"][n]
+                and len(param_types_of(folded)[n].shape) == 4)
+    experts, panels, k, width = param_types_of(folded)[name].shape
+    pieces = list(weight_pieces(checkpoint, folded, name, piece_bytes=3 * panels * k * width * 4))
+    assert len(pieces) == -(-experts // 3) > 1 and all(p.shape[0] <= 3 for p in pieces)
+    whole = np.concatenate(pieces)
+    source = next(s for s in checkpoint.params if "experts" in s and s in folded.meta["prepared"][name])
+    stacked = np.asarray(checkpoint.load(source))  # [E, Nout, K] as the checkpoint stores it
+    want = jnp.asarray(stacked).transpose(0, 2, 1).reshape(experts, k, panels, width).transpose(0, 2, 1, 3)
+    np.testing.assert_array_equal(whole, np.asarray(want))
+
+
+def param_types_of(graph):
+    from qcompile.ir.weights import param_types
+
+    return param_types(graph)

@@ -42,7 +42,7 @@ from qcompile.ir.ops.moe import RouterTopK
 from qcompile.runtime.memory import frozen_heap
 from qcompile.runtime.sampling import GREEDY, Sampling
 from qcompile.kernels import native
-from qcompile.kernels.linear import NATIVE_PANELS_AMX, linear_panels_cpu, pack_panels
+from qcompile.kernels.linear import NATIVE_PANELS_AMX, NATIVE_PANELS_BF16_PAIRS, linear_panels_cpu, pack_panels
 
 #: The field's workload shapes at full scale (input, output tokens).
 WORKLOADS = {"prefill-heavy": (8192, 1024), "decode-heavy": (1024, 8192)}
@@ -97,8 +97,9 @@ def measure_ceilings() -> dict:
     copy: a 256 MB array copied into a donated buffer (read + write bytes; a fresh output buffer would measure page
     faults instead). read: a 256 MB reduction. The roofline uses the larger: weights and KV are read far more than
     anything is written, and a roofline must be a bound no implementation beats — so the bf16 rate is also that of
-    qcompile's AMX kernel (kernels/native/amx_bf16.cc) on the same product where the CPU has AMX tiles, if higher
-    (XLA's CPU bf16 dot does not use them).
+    qcompile's AMX kernel (kernels/native/amx_bf16.cc) on the same product where the CPU has AMX tiles, or of its
+    VDPBF16PS pairs kernel where it has AVX512_BF16 (kernels/native/bf16_pairs.h), if higher (XLA's CPU bf16 dot
+    uses neither).
     """
     n = 64 << 20
     data = jnp.arange(n, dtype=jnp.float32)
@@ -117,10 +118,11 @@ def measure_ceilings() -> dict:
     for name, dtype in (("f32", jnp.float32), ("bf16", jnp.bfloat16)):
         a = jnp.ones((size, size), dtype)
         rates[name] = 2.0 * size**3 / _best_seconds(jax.jit(lambda x, y: x @ y), a, a)
-    if native.amx_bf16() and native.ensure(NATIVE_PANELS_AMX):  # qcompile's AMX kernel beats XLA's bf16 dot
-        a = jnp.ones((size, size), jnp.bfloat16)
-        amx = 2.0 * size**3 / _best_seconds(jax.jit(linear_panels_cpu), a, pack_panels(a))
-        rates["bf16"] = max(rates["bf16"], amx)
+    if ((native.amx_bf16() and native.ensure(NATIVE_PANELS_AMX))
+            or (native.avx512_bf16() and native.ensure(NATIVE_PANELS_BF16_PAIRS))):
+        a = jnp.ones((size, size), jnp.bfloat16)  # qcompile's AMX or VDPBF16PS kernel beats XLA's bf16 dot
+        ours = 2.0 * size**3 / _best_seconds(jax.jit(linear_panels_cpu), a, pack_panels(a))
+        rates["bf16"] = max(rates["bf16"], ours)
     copy_bw, read_bw = 2 * n * 4 / copy_s, n * 4 / read_s
     return {"threads": threads(), "backend": jax.default_backend(), "copy_bytes_per_s": copy_bw,
             "read_bytes_per_s": read_bw, "bandwidth_bytes_per_s": max(copy_bw, read_bw),

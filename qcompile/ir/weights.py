@@ -182,8 +182,10 @@ def param_types(graph: Graph) -> dict[str, TensorType]:
 def _row_factor(recipe: Graph, rows: int) -> int | None:
     """Source rows per row of the prepared weight when its recipe is row-wise — row slab [a, b) of the result is
     computed from rows [a·f, b·f) of every source — else None. f = 1 but for one reshape that splits axis 0 into
-    [rows, f, ...] (a weight cut into column panels, ir/target_layout.py)."""
-    factor = 1
+    [rows, f, ...] (a weight cut into column panels, ir/target_layout.py). A reshape that keeps axis 0 and regroups
+    the others (experts [E, K, Nout] cut into [E, K, Nout/64, 64] panels) is row-wise with f = 1, in a recipe without
+    a splitting one."""
+    factor, keeps_rows = 1, False
     for node in recipe.nodes():
         op = node.op
         if isinstance(op, Param):
@@ -192,7 +194,10 @@ def _row_factor(recipe: Graph, rows: int) -> int | None:
         elif type(op).__name__ == "Reshape":
             source = recipe.type_of(node.operands[0]).shape
             shape = node.types[0].shape
-            if factor != 1 or len(shape) != len(source) + 1 or shape[0] * shape[1] != source[0] \
+            if shape and source and shape[0] == source[0] and factor == 1:
+                keeps_rows = True
+                continue
+            if factor != 1 or keeps_rows or len(shape) != len(source) + 1 or shape[0] * shape[1] != source[0] \
                     or tuple(shape[2:]) != tuple(source[1:]):
                 return None
             factor = shape[1]
@@ -208,8 +213,8 @@ def _row_factor(recipe: Graph, rows: int) -> int | None:
 
 
 def _slab_recipe(recipe: Graph, rows: int, factor: int) -> str:
-    """The text of a row-wise recipe with a reshape (`_row_factor` > 1) for a slab of `rows` result rows: its sources
-    `rows`·factor rows long and the reshape's leading size `rows` (the other ops' attributes do not name axis 0)."""
+    """The text of a row-wise recipe with a reshape for a slab of `rows` result rows: its sources `rows`·factor rows
+    long and the reshape's leading size `rows` (the other ops' attributes do not name axis 0)."""
     from qcompile.ir.ops.core import Reshape
     from qcompile.ir.printer import print_graph
 
@@ -267,12 +272,13 @@ def weight_pieces(checkpoint: Checkpoint, graph: Graph, name: str, piece_bytes: 
             if source in checkpoint.params:  # (a scale has no mapped rows to drop)
                 checkpoint.release_rows(source, 0, checkpoint.params[source].shape[0])
         return
+    reshaped = any(type(n.op).__name__ == "Reshape" for n in recipe.nodes())  # (sizes naming axis 0: per slab)
     for start in range(0, rows, step):
         stop = min(rows, start + step)
         first, last = start * factor, stop * factor
         piece = {source: checkpoint.load_rows(source, first, last, source in fp8).astype(d, copy=False)
                  for source, d in sources}
-        text = recipe_text if factor == 1 else _slab_recipe(recipe, stop - start, factor)
+        text = _slab_recipe(recipe, stop - start, factor) if reshaped else recipe_text
         yield np.asarray(_evaluate(text, lambda source, _type: piece[source]))
         for source, _ in sources:
             checkpoint.release_rows(source, first, last)

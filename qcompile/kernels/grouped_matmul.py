@@ -423,6 +423,7 @@ PANEL = 64  # columns per panel: the native kernel's register tile width
 NATIVE_PANELS_F32 = "qcompile_grouped_matmul_panels_f32"
 NATIVE_SWIGLU_PANELS_F32 = "qcompile_grouped_matmul_swiglu_panels_f32"
 NATIVE_PANELS_BF16 = "qcompile_grouped_matmul_panels_bf16"
+NATIVE_PANELS_BF16_PAIRS = "qcompile_grouped_matmul_panels_bf16_pairs"  # bf16 rows too, on VDPBF16PS
 
 
 def panel_kernel(dtype, swiglu: bool) -> str | None:
@@ -450,8 +451,9 @@ def grouped_matmul_panels_reference(rows, w, group_sizes, swiglu: bool):
 def grouped_matmul_panels_native(rows, w, group_sizes, swiglu: bool):
     """The native kernel on panels (kernels/native/grouped_matmul_f32.cc): each routed expert's panels streamed front
     to back, a row tile's accumulators in registers over all of K. f32: the SwiGLU epilogue in the kernel when
-    `swiglu`; bf16 weights (read as they are, widened in registers): rows widened before, the f32 product rounded once
-    to the rows' dtype, then SwiGLU's halves as the reference takes them. Call only after `native.ensure` of the
+    `swiglu`; bf16 weights (read as they are: bf16 rows with them multiplied in pairs on VDPBF16PS where the CPU has
+    AVX512_BF16, else the weights widened in registers and the rows before): the f32 product rounded once to the
+    rows' dtype, then SwiGLU's halves as the reference takes them. Call only after `native.ensure` of the
     entry point returned True."""
     n, nout = rows.shape[0], w.shape[1] * w.shape[3]
     fused = swiglu and w.dtype == jnp.float32
@@ -459,8 +461,13 @@ def grouped_matmul_panels_native(rows, w, group_sizes, swiglu: bool):
     if n == 0:
         return jnp.zeros((0, nout // 2 if swiglu else nout), rows.dtype)
     if w.dtype == jnp.bfloat16:
-        call = jax.ffi.ffi_call(NATIVE_PANELS_BF16, jax.ShapeDtypeStruct((n, width), jnp.float32))
-        y = call(rows.astype(jnp.float32), w, group_sizes.astype(jnp.int32)).astype(rows.dtype)
+        if (rows.dtype == jnp.bfloat16 and rows.shape[1] % 2 == 0 and native.avx512_bf16()
+                and native.ensure(NATIVE_PANELS_BF16_PAIRS)):  # bf16 pairs multiplied as they are
+            call = jax.ffi.ffi_call(NATIVE_PANELS_BF16_PAIRS, jax.ShapeDtypeStruct((n, width), jnp.float32))
+            y = call(rows, w, group_sizes.astype(jnp.int32)).astype(rows.dtype)
+        else:
+            call = jax.ffi.ffi_call(NATIVE_PANELS_BF16, jax.ShapeDtypeStruct((n, width), jnp.float32))
+            y = call(rows.astype(jnp.float32), w, group_sizes.astype(jnp.int32)).astype(rows.dtype)
         return swiglu_halves(y) if swiglu else y
     call = jax.ffi.ffi_call(NATIVE_SWIGLU_PANELS_F32 if swiglu else NATIVE_PANELS_F32,
                             jax.ShapeDtypeStruct((n, width), jnp.float32))

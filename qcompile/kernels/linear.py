@@ -40,6 +40,7 @@ NATIVE_FP8 = "qcompile_linear_fp8"
 NATIVE_MAX_ROWS = 48  # the kernel's row chunk; from 64 rows on XLA's packed GEMM is as fast or faster
 NATIVE_PANELS = "qcompile_linear_panels_f32"
 NATIVE_PANELS_BF16 = "qcompile_linear_panels_bf16"  # bf16 panels, widened a k block at a time inside the kernel
+NATIVE_PANELS_BF16_PAIRS = "qcompile_linear_panels_bf16_pairs"  # bf16 activations and panels on VDPBF16PS (no AMX)
 NATIVE_PANELS_AMX = "qcompile_linear_panels_amx"  # bf16 activations and panels on AMX tiles (prefill-sized)
 AMX_MIN_ROWS = 6  # from here on a bf16 product goes to AMX where the CPU has it (docs/cpu_rules.md, "AMX thresholds")
 PANEL = 64  # output columns per panel of linear_panels' weight (the panel kernel's register tile width)
@@ -103,13 +104,17 @@ def linear_panels_xla(x, wp):
 def linear_panels_cpu(x, wp):
     """The CPU rule of linear_panels: the native panel kernel at any row count — f32 panels, or a bf16 checkpoint's
     bf16 panels widened inside it (bf16 activations widened before, the f32 result rounded once after, as the
-    reference's f32 accumulation is; from AMX_MIN_ROWS bf16 rows on, AMX tiles where the CPU has them) —, XLA's dot
-    otherwise."""
+    reference's f32 accumulation is; from AMX_MIN_ROWS bf16 rows on, AMX tiles where the CPU has them; bf16
+    activations and panels on VDPBF16PS pairs where the CPU has AVX512_BF16, an even K) —, XLA's dot otherwise."""
     p, k, c = wp.shape
     rows = math.prod(x.shape[:-1])
     if (x.dtype == wp.dtype == jnp.bfloat16 and rows >= AMX_MIN_ROWS and k % 32 == 0 and c == PANEL
             and native.amx_bf16() and native.ensure(NATIVE_PANELS_AMX)):
         call = jax.ffi.ffi_call(NATIVE_PANELS_AMX, jax.ShapeDtypeStruct((rows, p * c), jnp.float32))
+        return call(x.reshape(rows, k), wp).reshape(*x.shape[:-1], p * c).astype(x.dtype)
+    if (x.dtype == wp.dtype == jnp.bfloat16 and rows > 0 and k % 2 == 0 and c == PANEL and native.avx512_bf16()
+            and native.ensure(NATIVE_PANELS_BF16_PAIRS)):
+        call = jax.ffi.ffi_call(NATIVE_PANELS_BF16_PAIRS, jax.ShapeDtypeStruct((rows, p * c), jnp.float32))
         return call(x.reshape(rows, k), wp).reshape(*x.shape[:-1], p * c).astype(x.dtype)
     kernel = NATIVE_PANELS if wp.dtype == jnp.float32 else NATIVE_PANELS_BF16 if wp.dtype == jnp.bfloat16 else None
     if not (kernel is not None and x.dtype in (jnp.float32, jnp.bfloat16) and c == PANEL and rows > 0

@@ -47,6 +47,7 @@ KERNELS = {
     "qcompile_grouped_matmul_panels_f32": ("grouped_matmul_f32.cc", "QcompileGroupedMatmulPanelsF32"),
     "qcompile_grouped_matmul_swiglu_panels_f32": ("grouped_matmul_f32.cc", "QcompileGroupedMatmulSwigluPanelsF32"),
     "qcompile_grouped_matmul_panels_bf16": ("grouped_matmul_f32.cc", "QcompileGroupedMatmulPanelsBf16"),
+    "qcompile_grouped_matmul_panels_bf16_pairs": ("grouped_matmul_f32.cc", "QcompileGroupedMatmulPanelsBf16Pairs"),
     "qcompile_grouped_matmul_fp8": ("grouped_matmul_f32.cc", "QcompileGroupedMatmulFp8"),
     "qcompile_grouped_matmul_swiglu_fp8": ("grouped_matmul_f32.cc", "QcompileGroupedMatmulSwigluFp8"),
     "qcompile_grouped_matmul_bf16": ("grouped_matmul_f32.cc", "QcompileGroupedMatmulBf16"),
@@ -55,6 +56,7 @@ KERNELS = {
     "qcompile_linear_panels_f32": ("linear_panels_f32.cc", "QcompileLinearPanelsF32"),
     "qcompile_linear_panels_bf16": ("linear_panels_f32.cc", "QcompileLinearPanelsBf16"),
     "qcompile_linear_panels_amx": ("amx_bf16.cc", "QcompileLinearPanelsAmx"),
+    "qcompile_linear_panels_bf16_pairs": ("linear_panels_f32.cc", "QcompileLinearPanelsBf16Pairs"),
     "qcompile_grouped_matmul_amx": ("amx_bf16.cc", "QcompileGroupedMatmulAmx"),
     "qcompile_gdn_recurrent_f32": ("gdn_recurrent_f32.cc", "QcompileGdnRecurrentF32"),
     "qcompile_gdn_recurrent_bf16_state": ("gdn_recurrent_f32.cc", "QcompileGdnRecurrentBf16State"),
@@ -179,6 +181,20 @@ def amx_bf16() -> bool:
             ok = False
         _amx.append(ok)
     return _amx[0]
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        return set(" ".join(ln for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                            if ln.startswith("flags")).split())
+    except OSError:
+        return set()
+
+
+def avx512_bf16() -> bool:
+    """Whether this CPU multiplies bf16 pairs into f32 (VDPBF16PS, AVX512_BF16): the bf16 pair kernels are used only
+    then (they are built with -march=native, which enables the instruction exactly there)."""
+    return platform.machine() == "x86_64" and "avx512_bf16" in _cpu_flags()
 
 
 def status(name: str) -> str:

@@ -40,6 +40,7 @@
 #include <vector>
 
 #include "bf16.h"
+#include "bf16_pairs.h"
 #include "fp8.h"
 #include "parallel_items.h"
 #include "vec16.h"
@@ -147,7 +148,8 @@ struct Job {
   const uint8_t* w8 = nullptr;
   const float* scale = nullptr;
   const uint16_t* w16 = nullptr;  // bf16 weights [E, K, Nout] (w null)
-  bool panels = false;            // w is [E, Nout/64, K, 64] (f32)
+  bool panels = false;            // w is [E, Nout/64, K, 64] (f32 or bf16)
+  const uint16_t* x16 = nullptr;  // bf16 rows (x null), with bf16 panels: the VDPBF16PS tiles (bf16_pairs.h)
   int64_t bk = 1, bn = 1, kblocks = 1, nblocks = 1;
 };
 
@@ -168,6 +170,21 @@ void panel_product(const Job& j, const Item& it, float* out, int64_t ldo) {
   thread_local std::vector<float> widened;
   for (int64_t p = 0; p < j.nout / kNr; ++p) {
     const int64_t at = (it.expert * (j.nout / kNr) + p) * panel;
+#ifdef __AVX512BF16__
+    if (j.x16 != nullptr) {  // bf16 rows and panels: pairs, the panel read in place by every row tile
+      const uint16_t* wp16 = j.w16 + at;
+      auto ahead = [wp16](int64_t pair) {  // the two panel rows kPrefetchRows ahead (256 bytes)
+        const uint16_t* next = wp16 + (2 * pair + kPrefetchRows) * kNr;
+        for (int l = 0; l < 4; ++l) __builtin_prefetch(next + 32 * l);
+      };
+      for (int64_t r = 0; r < it.rows; r += kMr) {
+        const int rows = static_cast<int>(std::min<int64_t>(kMr, it.rows - r));
+        qcompile_native::tile_pairs_rows(rows, j.x16 + (it.row0 + r) * j.k, j.k, wp16, 0, j.k, out + r * ldo + p * kNr,
+                                         ldo, false, ahead);
+      }
+      continue;
+    }
+#endif
     const float* wp = j.w != nullptr ? j.w + at : nullptr;
     if (wp == nullptr && it.rows > kMr) {
       widened.resize(static_cast<size_t>(panel));
@@ -384,6 +401,34 @@ ffi::Error GroupedMatmulPanelsBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> r
   return Launch(pool, job, rd[0], wd[0], group_sizes.typed_data());
 }
 
+// rows[N,K] bf16, w[E,P,K,64] bf16 panels, K even -> out f32 on VDPBF16PS; an error on a CPU without AVX512_BF16
+// (the rule asks native.avx512_bf16() first).
+ffi::Error GroupedMatmulPanelsBf16Pairs(ffi::ThreadPool pool, ffi::AnyBuffer rows, ffi::AnyBuffer w,
+                                        ffi::Buffer<ffi::S32> group_sizes, ffi::ResultBuffer<ffi::F32> out) {
+#ifdef __AVX512BF16__
+  const auto rd = rows.dimensions();
+  const auto wd = w.dimensions();
+  const auto gd = group_sizes.dimensions();
+  if (rows.element_type() != ffi::DataType::BF16 || w.element_type() != ffi::DataType::BF16 || rd.size() != 2 ||
+      wd.size() != 4 || gd.size() != 1 || wd[2] != rd[1] || wd[3] != kNr || gd[0] != wd[0] || rd[1] % 2 != 0)
+    return ffi::Error::InvalidArgument("qcompile grouped matmul panels bf16 pairs: expected rows[N,K] bf16, "
+                                       "w[E,P,K,64] bf16, group_sizes[E], K even");
+  auto job = std::make_shared<Job>();
+  job->x = nullptr;
+  job->x16 = static_cast<const uint16_t*>(rows.untyped_data());
+  job->w = nullptr;
+  job->w16 = static_cast<const uint16_t*>(w.untyped_data());
+  job->out = out->typed_data();
+  job->k = rd[1];
+  job->nout = wd[1] * kNr;
+  job->swiglu = false;
+  job->panels = true;
+  return Launch(pool, job, rd[0], wd[0], group_sizes.typed_data());
+#else
+  return ffi::Error::InvalidArgument("qcompile grouped matmul panels bf16 pairs: built for a CPU without AVX512_BF16");
+#endif
+}
+
 ffi::Error GroupedMatmulF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> rows, ffi::Buffer<ffi::F32> w,
                             ffi::Buffer<ffi::S32> group_sizes, ffi::ResultBuffer<ffi::F32> out) {
   return Run(pool, rows, w, group_sizes, out, false);
@@ -446,6 +491,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(QcompileGroupedMatmulSwigluPanelsF32, GroupedMatmu
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QcompileGroupedMatmulBf16, GroupedMatmulBf16, QCOMPILE_GROUPED_MATMUL_BF16_BINDING);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QcompileGroupedMatmulPanelsBf16, GroupedMatmulPanelsBf16,
                               QCOMPILE_GROUPED_MATMUL_BF16_BINDING);
+// rows[N,K] bf16, w[E,P,K,64] bf16, group_sizes[E] -> out f32.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QcompileGroupedMatmulPanelsBf16Pairs, GroupedMatmulPanelsBf16Pairs,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
 
 // rows[N,K] f32, w[E,K,Nout] e4m3fn (taken as bytes), scale[E,KB,NB] f32, group_sizes[E]; attrs block_k, block_n -> out.
 #define QCOMPILE_GROUPED_MATMUL_FP8_BINDING            \

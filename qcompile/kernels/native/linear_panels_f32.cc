@@ -24,6 +24,8 @@
 // per-thread f32 block (8 KiB read, 16 KiB in L1) that the same tiles then read, so memory moves two bytes per weight
 // and no f32 copy of the weight exists; an item of one row tile (decode) widens the panel in registers instead. x and
 // out stay f32 (the rule widens and rounds the activations).
+// bf16 activations and panels on a CPU with AVX512_BF16 (the ...Bf16Pairs entry point, an even K): VDPBF16PS tiles
+// (bf16_pairs.h), the weights read in place at every row count.
 
 #include <algorithm>
 #include <cstdint>
@@ -31,6 +33,7 @@
 #include <vector>
 
 #include "bf16.h"
+#include "bf16_pairs.h"
 #include "parallel_items.h"
 #include "vec16.h"
 #include "xla/ffi/api/ffi.h"
@@ -96,6 +99,7 @@ void tile_rows(int rows, const float* x, int64_t ldx, const W* panel, int64_t kb
   }
 }
 
+
 struct Job {
   const float* x;
   const float* w;
@@ -103,6 +107,7 @@ struct Job {
   int64_t t, k, panels;
   qcompile_native::PanelItems split;  // item i: a run of panels against a chunk of kRowChunk input rows
   const uint16_t* w16 = nullptr;  // bf16 panels instead of w
+  const uint16_t* x16 = nullptr;  // bf16 activations (with bf16 panels: the VDPBF16PS tiles)
 };
 
 void run_item(const Job& j, int64_t i) {
@@ -119,8 +124,8 @@ void run_item(const Job& j, int64_t i) {
     for (int64_t kb = 0; kb < j.k; kb += kKc) {
       const int64_t ke = std::min(j.k, kb + kKc);
       const float* block = j.w + (p * j.k + kb) * kPanel;
-      const uint16_t* block16 = nullptr;  // bf16 read in place by a single row tile
-      if (j.w16 != nullptr && r1 - r0 <= kMr) {
+      const uint16_t* block16 = nullptr;  // bf16 read in place by a single row tile (or by the pair tiles)
+      if (j.w16 != nullptr && (r1 - r0 <= kMr || j.x16 != nullptr)) {
         block16 = j.w16 + (p * j.k + kb) * kPanel;
       } else if (j.w16 != nullptr) {
         qcompile_native::widen(j.w16 + (p * j.k + kb) * kPanel, widened.data(), (ke - kb) * kPanel);
@@ -134,6 +139,18 @@ void run_item(const Job& j, int64_t i) {
         const int64_t l0 = lines * i / tiles, l1 = lines * (i + 1) / tiles;
         const int64_t per_step = (l1 - l0 + (ke - kb) - 1) / (ke - kb);
         const Prefetch pf{base + ahead, l0, l1 - l0, per_step};
+#ifdef __AVX512BF16__
+        if (j.x16 != nullptr) {
+          // The spread prefetch of this tile's share of the block ahead, two k steps per pair.
+          auto ahead = [pf](int64_t pair) {
+            for (int64_t l = 2 * pair * pf.per_step, e = std::min(pf.count, l + 2 * pf.per_step); l < e; ++l)
+              __builtin_prefetch(pf.base + (pf.first + l) * 64, 0, 2);
+          };
+          qcompile_native::tile_pairs_rows(static_cast<int>(r_end - r), j.x16 + r * j.k, j.k, block16, kb, ke,
+                                           j.out + r * n + p * kPanel, n, kb > 0, ahead);
+          continue;
+        }
+#endif
         if (block16 != nullptr)
           tile_rows(static_cast<int>(r_end - r), j.x + r * j.k, j.k, block16, kb, ke, j.out + r * n + p * kPanel, n,
                     kb > 0, pf);
@@ -178,7 +195,42 @@ ffi::Error LinearPanelsBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
   return Run(pool, x, w, out);
 }
 
+// x[T,K] bf16, w[P,K,64] bf16, K even -> out f32 on VDPBF16PS; an error on a CPU without AVX512_BF16 (the rule
+// asks native.avx512_bf16() first).
+ffi::Error LinearPanelsBf16Pairs(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                                 ffi::ResultBuffer<ffi::F32> out) {
+#ifdef __AVX512BF16__
+  const auto xd = x.dimensions();
+  const auto wd = w.dimensions();
+  if (x.element_type() != ffi::DataType::BF16 || w.element_type() != ffi::DataType::BF16 || xd.size() != 2 ||
+      wd.size() != 3 || wd[1] != xd[1] || wd[2] != kPanel || xd[1] % 2 != 0)
+    return ffi::Error::InvalidArgument("qcompile linear_panels bf16 pairs: expected x[T,K] bf16, w[P,K,64] bf16, K "
+                                       "even");
+  Job job{nullptr, nullptr, out->typed_data(), xd[0], xd[1], wd[0],
+          qcompile_native::PanelItems(xd[0], wd[0], kRowChunk, pool.num_threads(), kItemsPerThread)};
+  job.w16 = static_cast<const uint16_t*>(w.untyped_data());
+  job.x16 = static_cast<const uint16_t*>(x.untyped_data());
+  if (job.t == 0 || job.panels == 0) return ffi::Error::Success();
+  if (job.k == 0) {
+    std::memset(job.out, 0, sizeof(float) * job.t * job.panels * kPanel);
+    return ffi::Error::Success();
+  }
+  qcompile_native::parallel_items(pool, job.split.count, [job](int64_t i) { run_item(job, i); });
+  return ffi::Error::Success();
+#else
+  return ffi::Error::InvalidArgument("qcompile linear_panels bf16 pairs: built for a CPU without AVX512_BF16");
+#endif
+}
+
 }  // namespace
+
+// x[T,K] bf16, w[P,K,64] bf16 -> out[T,P*64] f32
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QcompileLinearPanelsBf16Pairs, LinearPanelsBf16Pairs,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
 
 // x[T,K] f32, w[P,K,64] (f32, or bf16 for the second entry point) -> out[T,P*64] f32
 #define QCOMPILE_LINEAR_PANELS_BINDING \
