@@ -309,20 +309,21 @@ ffi::Error Run(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> rows, ffi::Buffer<ffi
   return Launch(pool, job, rd[0], wd[0], group_sizes.typed_data());
 }
 
-// w in panels [E, P, K, 64]: Nout = 64 P.
-ffi::Error RunPanels(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> rows, ffi::Buffer<ffi::F32> w,
-                     ffi::Buffer<ffi::S32> group_sizes, ffi::ResultBuffer<ffi::F32> out, bool swiglu) {
-  const auto rd = rows.dimensions();
-  const auto wd = w.dimensions();
+// w in panels [E, P, K, 64] (Nout = 64 P), f32 or bf16, against f32 rows x or bf16 rows x16 (the pairs kernel).
+ffi::Error LaunchPanels(ffi::ThreadPool pool, const float* x, const uint16_t* x16, const void* w, bool w_bf16,
+                        ffi::Span<const int64_t> rd, ffi::Span<const int64_t> wd, ffi::Buffer<ffi::S32> group_sizes,
+                        float* out, bool swiglu) {
   const auto gd = group_sizes.dimensions();
   if (rd.size() != 2 || wd.size() != 4 || gd.size() != 1 || wd[2] != rd[1] || wd[3] != kNr || gd[0] != wd[0] ||
-      (swiglu && wd[1] % 2))
+      (swiglu && wd[1] % 2) || (x16 != nullptr && rd[1] % 2))
     return ffi::Error::InvalidArgument("qcompile grouped matmul panels: expected rows[N,K], w[E,P,K,64] (an even P "
-                                       "for swiglu), group_sizes[E]");
-  auto job = std::make_shared<Job>();
-  job->x = rows.typed_data();
-  job->w = w.typed_data();
-  job->out = out->typed_data();
+                                       "for swiglu, an even K for bf16 rows), group_sizes[E]");
+  auto job = std::make_shared<Job>();  // shared with the items, which may run after this frame returns
+  job->x = x;
+  job->x16 = x16;
+  job->w = w_bf16 ? nullptr : static_cast<const float*>(w);
+  job->w16 = w_bf16 ? static_cast<const uint16_t*>(w) : nullptr;
+  job->out = out;
   job->k = rd[1];
   job->nout = wd[1] * kNr;
   job->swiglu = swiglu;
@@ -382,23 +383,10 @@ ffi::Error GroupedMatmulBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> rows, f
 // rows[N,K] f32, w[E,P,K,64] bf16 panels -> out f32 (SwiGLU, if any, after rounding: as GroupedMatmulBf16).
 ffi::Error GroupedMatmulPanelsBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> rows, ffi::AnyBuffer w,
                                    ffi::Buffer<ffi::S32> group_sizes, ffi::ResultBuffer<ffi::F32> out) {
-  const auto rd = rows.dimensions();
-  const auto wd = w.dimensions();
-  const auto gd = group_sizes.dimensions();
-  if (w.element_type() != ffi::DataType::BF16 || rd.size() != 2 || wd.size() != 4 || gd.size() != 1 ||
-      wd[2] != rd[1] || wd[3] != kNr || gd[0] != wd[0])
-    return ffi::Error::InvalidArgument("qcompile grouped matmul panels bf16: expected rows[N,K] f32, w[E,P,K,64] "
-                                       "bf16, group_sizes[E]");
-  auto job = std::make_shared<Job>();
-  job->x = rows.typed_data();
-  job->w = nullptr;
-  job->w16 = static_cast<const uint16_t*>(w.untyped_data());
-  job->out = out->typed_data();
-  job->k = rd[1];
-  job->nout = wd[1] * kNr;
-  job->swiglu = false;
-  job->panels = true;
-  return Launch(pool, job, rd[0], wd[0], group_sizes.typed_data());
+  if (w.element_type() != ffi::DataType::BF16)
+    return ffi::Error::InvalidArgument("qcompile grouped matmul panels bf16: expected bf16 panels");
+  return LaunchPanels(pool, rows.typed_data(), nullptr, w.untyped_data(), true, rows.dimensions(), w.dimensions(),
+                      group_sizes, out->typed_data(), false);
 }
 
 // rows[N,K] bf16, w[E,P,K,64] bf16 panels, K even -> out f32 on VDPBF16PS; an error on a CPU without AVX512_BF16
@@ -406,24 +394,10 @@ ffi::Error GroupedMatmulPanelsBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> r
 ffi::Error GroupedMatmulPanelsBf16Pairs(ffi::ThreadPool pool, ffi::AnyBuffer rows, ffi::AnyBuffer w,
                                         ffi::Buffer<ffi::S32> group_sizes, ffi::ResultBuffer<ffi::F32> out) {
 #ifdef __AVX512BF16__
-  const auto rd = rows.dimensions();
-  const auto wd = w.dimensions();
-  const auto gd = group_sizes.dimensions();
-  if (rows.element_type() != ffi::DataType::BF16 || w.element_type() != ffi::DataType::BF16 || rd.size() != 2 ||
-      wd.size() != 4 || gd.size() != 1 || wd[2] != rd[1] || wd[3] != kNr || gd[0] != wd[0] || rd[1] % 2 != 0)
-    return ffi::Error::InvalidArgument("qcompile grouped matmul panels bf16 pairs: expected rows[N,K] bf16, "
-                                       "w[E,P,K,64] bf16, group_sizes[E], K even");
-  auto job = std::make_shared<Job>();
-  job->x = nullptr;
-  job->x16 = static_cast<const uint16_t*>(rows.untyped_data());
-  job->w = nullptr;
-  job->w16 = static_cast<const uint16_t*>(w.untyped_data());
-  job->out = out->typed_data();
-  job->k = rd[1];
-  job->nout = wd[1] * kNr;
-  job->swiglu = false;
-  job->panels = true;
-  return Launch(pool, job, rd[0], wd[0], group_sizes.typed_data());
+  if (rows.element_type() != ffi::DataType::BF16 || w.element_type() != ffi::DataType::BF16)
+    return ffi::Error::InvalidArgument("qcompile grouped matmul panels bf16 pairs: expected bf16 rows and panels");
+  return LaunchPanels(pool, nullptr, static_cast<const uint16_t*>(rows.untyped_data()), w.untyped_data(), true,
+                      rows.dimensions(), w.dimensions(), group_sizes, out->typed_data(), false);
 #else
   return ffi::Error::InvalidArgument("qcompile grouped matmul panels bf16 pairs: built for a CPU without AVX512_BF16");
 #endif
@@ -441,12 +415,14 @@ ffi::Error GroupedMatmulSwigluF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> ro
 
 ffi::Error GroupedMatmulPanelsF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> rows, ffi::Buffer<ffi::F32> w,
                                   ffi::Buffer<ffi::S32> group_sizes, ffi::ResultBuffer<ffi::F32> out) {
-  return RunPanels(pool, rows, w, group_sizes, out, false);
+  return LaunchPanels(pool, rows.typed_data(), nullptr, w.typed_data(), false, rows.dimensions(), w.dimensions(),
+                      group_sizes, out->typed_data(), false);
 }
 
 ffi::Error GroupedMatmulSwigluPanelsF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> rows, ffi::Buffer<ffi::F32> w,
                                         ffi::Buffer<ffi::S32> group_sizes, ffi::ResultBuffer<ffi::F32> out) {
-  return RunPanels(pool, rows, w, group_sizes, out, true);
+  return LaunchPanels(pool, rows.typed_data(), nullptr, w.typed_data(), false, rows.dimensions(), w.dimensions(),
+                      group_sizes, out->typed_data(), true);
 }
 
 ffi::Error GroupedMatmulFp8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> rows, ffi::AnyBuffer w,

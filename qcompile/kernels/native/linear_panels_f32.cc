@@ -162,6 +162,17 @@ void run_item(const Job& j, int64_t i) {
   }
 }
 
+// Every item of `job` on the pool (an empty product writes zeros).
+ffi::Error Execute(ffi::ThreadPool pool, const Job& job) {
+  if (job.t == 0 || job.panels == 0) return ffi::Error::Success();
+  if (job.k == 0) {
+    std::memset(job.out, 0, sizeof(float) * job.t * job.panels * kPanel);
+    return ffi::Error::Success();
+  }
+  qcompile_native::parallel_items(pool, job.split.count, [job](int64_t i) { run_item(job, i); });
+  return ffi::Error::Success();
+}
+
 ffi::Error Run(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::ResultBuffer<ffi::F32> out) {
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
@@ -172,13 +183,7 @@ ffi::Error Run(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, 
   Job job{x.typed_data(), bf16 ? nullptr : static_cast<const float*>(w.untyped_data()), out->typed_data(), xd[0],
           xd[1], wd[0], qcompile_native::PanelItems(xd[0], wd[0], kRowChunk, pool.num_threads(), kItemsPerThread)};
   if (bf16) job.w16 = static_cast<const uint16_t*>(w.untyped_data());
-  if (job.t == 0 || job.panels == 0) return ffi::Error::Success();
-  if (job.k == 0) {
-    std::memset(job.out, 0, sizeof(float) * job.t * job.panels * kPanel);
-    return ffi::Error::Success();
-  }
-  qcompile_native::parallel_items(pool, job.split.count, [job](int64_t i) { run_item(job, i); });
-  return ffi::Error::Success();
+  return Execute(pool, job);
 }
 
 ffi::Error LinearPanelsF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
@@ -210,13 +215,7 @@ ffi::Error LinearPanelsBf16Pairs(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::An
           qcompile_native::PanelItems(xd[0], wd[0], kRowChunk, pool.num_threads(), kItemsPerThread)};
   job.w16 = static_cast<const uint16_t*>(w.untyped_data());
   job.x16 = static_cast<const uint16_t*>(x.untyped_data());
-  if (job.t == 0 || job.panels == 0) return ffi::Error::Success();
-  if (job.k == 0) {
-    std::memset(job.out, 0, sizeof(float) * job.t * job.panels * kPanel);
-    return ffi::Error::Success();
-  }
-  qcompile_native::parallel_items(pool, job.split.count, [job](int64_t i) { run_item(job, i); });
-  return ffi::Error::Success();
+  return Execute(pool, job);
 #else
   return ffi::Error::InvalidArgument("qcompile linear_panels bf16 pairs: built for a CPU without AVX512_BF16");
 #endif
