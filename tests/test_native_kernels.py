@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -576,3 +577,19 @@ def test_paged_decode_attention_matches_the_jnp_blocks(dtype):
     assert pa.NATIVE_DECODE in jax.jit(pa._decode_native).lower(qi, row_pos, item_pages, k_pages, v_pages).as_text()
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
     assert not np.any(np.asarray(got)[3]) and np.any(np.asarray(got)[0])
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="AVX512_BF16 is an x86-64 extension")
+def test_bf16_pairs_need_the_cpu_flag_and_a_compiler_that_enables_it(monkeypatch, tmp_path):
+    """The pair kernels run only where /proc/cpuinfo lists avx512_bf16 and the C++ compiler's -march=native defines
+    __AVX512BF16__ (else the kernels are built without the instruction and would refuse every call)."""
+    fake = tmp_path / "c++"
+    monkeypatch.setattr(native, "_compiler", lambda: str(fake))
+    for flags, macros, want in (({"avx512_bf16"}, "#define __AVX512F__ 1", False),
+                                ({"avx512_bf16"}, "#define __AVX512BF16__ 1", True),
+                                (set(), "#define __AVX512BF16__ 1", False)):
+        fake.write_text(f"#!/bin/sh\necho '{macros}'\n")
+        fake.chmod(0o755)
+        monkeypatch.setattr(native, "_pairs", [])
+        monkeypatch.setattr(native, "_cpu_flags", lambda flags=flags: flags)
+        assert native.avx512_bf16() is want, (flags, macros)

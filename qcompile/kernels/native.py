@@ -191,10 +191,25 @@ def _cpu_flags() -> set[str]:
         return set()
 
 
+_pairs: list[bool] = []
+
+
 def avx512_bf16() -> bool:
-    """Whether this CPU multiplies bf16 pairs into f32 (VDPBF16PS, AVX512_BF16): the bf16 pair kernels are used only
-    then (they are built with -march=native, which enables the instruction exactly there)."""
-    return platform.machine() == "x86_64" and "avx512_bf16" in _cpu_flags()
+    """Whether this CPU multiplies bf16 pairs into f32 (VDPBF16PS, AVX512_BF16) and the C++ compiler enables it under
+    -march=native (it defines __AVX512BF16__; an older compiler may not know the instruction, and the pair kernels
+    are then built without it): the bf16 pair kernels are used only then. Asked once."""
+    if not _pairs:
+        ok = platform.machine() == "x86_64" and "avx512_bf16" in _cpu_flags() and not disabled()
+        compiler = _compiler() if ok else None
+        if compiler is not None:
+            try:
+                done = subprocess.run([compiler, "-march=native", "-dM", "-E", "-x", "c++", os.devnull],
+                                      capture_output=True, text=True, timeout=60)
+                ok = done.returncode == 0 and "__AVX512BF16__" in done.stdout
+            except (OSError, subprocess.SubprocessError):
+                ok = False
+        _pairs.append(bool(ok and compiler is not None))
+    return _pairs[0]
 
 
 def status(name: str) -> str:
