@@ -256,9 +256,6 @@ class Roofline:
             experts = self.expected_experts(sum(new_tokens))
         return step_cost(self.graph, self.sizes, StepShape(tuple(new_tokens), tuple(contexts), rows, experts))
 
-    def seconds(self, new_tokens, contexts, rows: int, experts: float | None) -> float:
-        return self.cost(new_tokens, contexts, rows, experts).seconds(self.bandwidth, self.peak)
-
 
 def probe_experts(graph: Graph, target: str, params, caches, batch) -> float | None:
     """Mean over MoE layers of the distinct experts the valid tokens of `batch` route to (a non-donating run); None

@@ -163,6 +163,15 @@ def ensure(name: str) -> bool:
     return ok
 
 
+def _cpu_flags() -> set[str]:
+    """The instruction-set flags /proc/cpuinfo lists (empty where it cannot be read)."""
+    try:
+        return set(" ".join(ln for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                            if ln.startswith("flags")).split())
+    except OSError:
+        return set()
+
+
 _amx: list[bool] = []
 
 
@@ -172,23 +181,13 @@ def amx_bf16() -> bool:
     if not _amx:
         ok = False
         try:
-            flags = set(" ".join(ln for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                                 if ln.startswith("flags")).split())
-            if {"amx_tile", "amx_bf16"} <= flags and platform.machine() == "x86_64":
+            if {"amx_tile", "amx_bf16"} <= _cpu_flags() and platform.machine() == "x86_64":
                 libc = ctypes.CDLL(None, use_errno=True)
                 ok = libc.syscall(158, 0x1023, 18) == 0  # SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
         except (OSError, AttributeError):
             ok = False
         _amx.append(ok)
     return _amx[0]
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        return set(" ".join(ln for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                            if ln.startswith("flags")).split())
-    except OSError:
-        return set()
 
 
 _pairs: list[bool] = []
