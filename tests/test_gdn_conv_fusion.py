@@ -183,7 +183,6 @@ def gdn_oracle(x, a, b, conv_state, conv_w, a_log, dt_bias, state, query_start, 
     stored = conv_state.copy()  # every sequence's conv history is its slot's as stored before the step
     num_tokens, channels = x.shape
     num_slots, hv, dk, dv = state.shape
-    width = conv_state.shape[2]
     hk = (channels - hv * dv) // (2 * dk)
     out = np.zeros((num_tokens, hv, dv))
     qs = np.asarray(query_start)

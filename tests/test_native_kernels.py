@@ -118,6 +118,62 @@ def test_panels_match_float64_oracle_on_random_shapes(swiglu, weights):
         assert not got[total:].any(), f"case {case}: padding rows must be 0"
 
 
+@pytest.mark.parametrize("swiglu", [False, True])
+def test_fp8_panels_equal_the_f32_panel_kernel_on_the_dequantized_weights(swiglu):
+    """FP8 experts in panels ([E, P, K, 64] e4m3 values, block scales [E, ceil(P/bp), ceil(K/bk)]): each panel row
+    dequantized in registers (through fp16) for one row tile, into an f32 panel for more. The result must equal the f32
+    panel kernel's on the dequantized weights bit for bit (the same value, FP8 · scale rounded once, multiplied in the
+    same order) — over every FP8 code (subnormals and zeros included), blocks of 1-3 panels and 1-128 rows cut
+    unevenly, groups of 0-75 rows, padding rows; a NaN code poisons exactly its column of its expert's rows; a scale
+    whose · 2^8 overflows takes the portable route and still equals; and against the float64 oracle."""
+    import ml_dtypes
+
+    from qcompile.kernels.fp8 import QuantizedWeight
+
+    rng = np.random.default_rng(20261207)
+    f32 = jax.jit(gm.grouped_matmul_panels_native, static_argnums=3)
+
+    def fp8(rows, w, gs):  # QuantizedWeight is not a pytree: its arrays go in, its block stays static
+        return jax.jit(lambda r, v, sc, g: gm.grouped_matmul_panels_fp8_native(
+            r, QuantizedWeight(v, sc, w.block, jnp.float32), g, swiglu))(rows, w.values, w.scale, gs)
+
+    for case in range(14):
+        rows, w, gs = draw_case(rng)
+        e, k = w.shape[0], rows.shape[1]
+        p = int(rng.integers(1, 4)) * (2 if swiglu else 1)
+        bp, bk = int(rng.integers(1, 4)), int(rng.choice([1, 7, 16, 128]))
+        codes = rng.integers(0, 256, (e, p, k, 64)).astype(np.uint8)
+        codes[(codes & 0x7F) == 0x7F] = 0  # NaN codes only where a case asks for them
+        scale = rng.uniform(0.5, 2.0, (e, -(-p // bp), -(-k // bk), 1)).astype(np.float32) / 64
+        if case == 1:  # a NaN weight: expert 0, panel 0, row 0, column 5; expert 0 gets rows 0-2
+            codes[0, 0, 0, 5] = 0xFF
+            rows = jnp.asarray(rng.standard_normal((5, k)), jnp.float32)
+            gs = jnp.asarray(np.array([3] + [0] * (e - 1), np.int32))
+        if case == 2:  # scale · 2^8 overflows f32 (the portable route); small weights and rows keep results finite
+            scale[0, 0, 0, 0] = np.float32(2.0 ** 120 * 1.5)
+            codes[0, :bp, :bk] &= 0x87  # |value| < 2
+            rows = rows * 1e-36
+        values = jnp.asarray(codes.view(ml_dtypes.float8_e4m3fn))
+        weight = QuantizedWeight(values, jnp.asarray(scale), (1, bp, bk, 64), jnp.float32)
+        got = np.asarray(fp8(rows, weight, gs))
+        want = np.asarray(f32(rows, weight.dequantize(), gs, swiglu))
+        np.testing.assert_array_equal(got, want, err_msg=f"case {case}: bp {bp}, bk {bk}, groups {np.asarray(gs)}")
+        _, total = oracle(rows, np.zeros((e, k, 1)), gs)
+        assert not got[total:].any(), f"case {case}: padding rows must be 0"
+        if case == 1:
+            rows_hit, cols_hit = np.nonzero(np.isnan(got))
+            assert set(rows_hit.tolist()) == {0, 1, 2} and set(cols_hit.tolist()) == {5}
+            continue
+        dense = np.asarray(weight.dequantize(), np.float64).transpose(0, 2, 1, 3).reshape(e, k, 64 * p)
+        oracle_out, _ = oracle(rows, dense, gs)
+        if swiglu:
+            gate, up = oracle_out[:, :32 * p], oracle_out[:, 32 * p:]
+            oracle_out = gate / (1 + np.exp(-gate)) * up
+        if total:
+            err = np.abs(got - oracle_out).max() / max(np.abs(oracle_out).max(), 1e-30)
+            assert err <= REL, f"case {case}: {err:.2e}"
+
+
 def test_bench_preset_shapes_and_the_cpu_rule_agree_with_the_jnp_rule():
     """The shapes the bench preset runs (E=64, top-8, K/Nout 1024/256 and 256/1024) at decode and prefill sizes,
     through `grouped_matmul_cpu` (which picks the native kernel for f32) against the jnp rule it replaces."""

@@ -184,7 +184,8 @@ def test_panel_weights_stream_in_slabs_of_panels(ckpt):
 
 def _experts_graph():
     """Routed experts: f32 [gate | up] [4, 32, 128] (two panels, SwiGLU), an f32 down projection with Nout = 32 (not a
-    multiple of 64: kept), FP8 experts dequantized to f32 (they stay FP8 in the step: kept) and bf16 experts (kept)."""
+    multiple of 64: kept), FP8 experts dequantized to f32 with one scale per 64 columns (FP8 panels) and with one per
+    32 (a panel would need two scales: kept), and bf16 experts (kept where the CPU has AMX)."""
     from qcompile.ir.ops.moe import GroupedMatmul, GroupedMatmulSwiglu
     from qcompile.ir.ops.quant import Dequantize
 
@@ -196,6 +197,9 @@ def _experts_graph():
     fp8 = b.add(Dequantize((1, 32, 64), "f32"), b.param("fp8", TensorType("f8e4m3", (4, 32, 64))),
                 b.param("fp8_scale", TensorType("f32", (4, 1, 1))))
     b.output("fp8", b.add(GroupedMatmul(), rows, fp8, sizes))
+    fine = b.add(Dequantize((1, 32, 32), "f32"), b.param("fp8_fine", TensorType("f8e4m3", (4, 32, 64))),
+                 b.param("fp8_fine_scale", TensorType("f32", (4, 1, 2))))
+    b.output("fp8_fine", b.add(GroupedMatmul(), rows, fine, sizes))
     rows16 = b.input("rows16", TensorType("bf16", ("N", 32)))
     b.output("bf16", b.add(GroupedMatmul(), rows16, b.param("w16", TensorType("bf16", (4, 32, 64))), sizes))
     return b.build()
@@ -214,25 +218,45 @@ graph @step {
   %8 = param "fp8" : f8e4m3[4,32,64]
   %9 = param "fp8_scale" : f32[4,1,1]
   %10 = dequantize(%8, %9) {block=[1, 32, 64], dtype="f32"} : f32[4,32,64]
-  %11 = grouped_matmul(%0, %10, %1) : f32[N,64]
-  %12 = input "rows16" : bf16[N,32]
-  %13 = param "w16" : bf16[4,32,64]
-  %14 = grouped_matmul(%12, %13, %1) : bf16[N,64]
-  return down=%7, fp8=%11, bf16=%14
+  %11 = reshape(%10) {shape=[4, 32, 1, 64]} : f32[4,32,1,64]
+  %12 = transpose(%11) {perm=[0, 2, 1, 3]} : f32[4,1,32,64]
+  %13 = grouped_matmul_panels(%0, %12, %1) {swiglu=false} : f32[N,64]
+  %14 = param "fp8_fine" : f8e4m3[4,32,64]
+  %15 = param "fp8_fine_scale" : f32[4,1,2]
+  %16 = dequantize(%14, %15) {block=[1, 32, 32], dtype="f32"} : f32[4,32,64]
+  %17 = grouped_matmul(%0, %16, %1) : f32[N,64]
+  %18 = input "rows16" : bf16[N,32]
+  %19 = param "w16" : bf16[4,32,64]
+  %20 = grouped_matmul(%18, %19, %1) : bf16[N,64]
+  return down=%7, fp8=%13, fp8_fine=%17, bf16=%20
 }
+"""
+#: the FP8 panels once the layout ops sink into the values and the scale (ir/fp8_layout.py): still FP8 in the step
+GOLDEN_FP8_PANELS_SUNK = """\
+  %10 = reshape(%8) {shape=[4, 32, 1, 64]} : f8e4m3[4,32,1,64]
+  %11 = reshape(%9) {shape=[4, 1, 1, 1]} : f32[4,1,1,1]
+  %12 = transpose(%10) {perm=[0, 2, 1, 3]} : f8e4m3[4,1,32,64]
+  %13 = transpose(%11) {perm=[0, 2, 1, 3]} : f32[4,1,1,1]
+  %14 = dequantize(%12, %13) {block=[1, 1, 32, 64], dtype="f32"} : f32[4,1,32,64]
+  %15 = grouped_matmul_panels(%0, %14, %1) {swiglu=false} : f32[N,64]
 """
 
 
 def test_golden_cpu_layout_of_the_experts_and_what_it_keeps(monkeypatch):
-    """f32 experts whose Nout is a multiple of 64 read [E, Nout/64, K, 64] panels; Nout = 32, FP8 experts (read as
-    FP8 by their own kernel) and — on a CPU with AMX tiles, whose kernel reads [E, K, Nout] — bf16 experts keep
-    [E, K, Nout]."""
+    """f32 experts whose Nout is a multiple of 64 read [E, Nout/64, K, 64] panels, and so do FP8 experts with one
+    scale across each panel's columns (the FP8 panel kernel reads them as FP8); Nout = 32, FP8 experts with finer
+    scales (read as FP8 by the [E, K, Nout] kernel) and — on a CPU with AMX tiles, whose kernel reads [E, K, Nout] —
+    bf16 experts keep [E, K, Nout]."""
+    from qcompile.ir.fp8_layout import sink_dequantize
     from qcompile.kernels import native
 
     monkeypatch.setattr(native, "amx_bf16", lambda: True)
     after = in_target_layout(_experts_graph(), "cpu")
     verify(after)
     assert print_graph(after) == GOLDEN_EXPERTS
+    sunk = sink_dequantize(after)
+    verify(sunk)
+    assert GOLDEN_FP8_PANELS_SUNK in print_graph(sunk)
 
 
 def test_bf16_experts_go_into_panels_without_amx(monkeypatch):
@@ -331,3 +355,45 @@ def param_types_of(graph):
     from qcompile.ir.weights import param_types
 
     return param_types(graph)
+
+
+def test_fp8_experts_stay_fp8_in_panels_and_compute_the_same_logits(tmp_path):
+    """An FP8 checkpoint (Qwen's 128 x 128 blocks) with moe_intermediate_size 128, computed in f32: the routed experts
+    become grouped_matmul_panels over FP8 panels — prepared values f8e4m3[E, P, K, 64] and their scale, dequantized
+    in the step (the kernel reads one byte a weight), the 128-column blocks split into pairs of panels — unfused and
+    swiglu-fused; the folded cpu build's logits match the unoptimized graph's reference rules."""
+    import copy
+
+    from qcompile.frontend.tiny import full_config, write_checkpoint
+    from qcompile.ir.ops.moe import GroupedMatmulPanels
+    from qcompile.ir.ops.quant import Dequantize
+    from qcompile.passes.base import PassContext
+    from qcompile.passes.equivalence import EquivalenceChecker, outputs_by_item, run_graph
+    from qcompile.passes.manager import run_pipeline
+    from qcompile.passes.registry import parse_spec
+
+    config = copy.deepcopy(full_config("tiny", "qwen3_5_moe", "fp8"))
+    text = config["text_config"]
+    text.update(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"], moe_intermediate_size=128)
+    checkpoint = Checkpoint.open(write_checkpoint(tmp_path / "m", config, seed=7))
+    graph = build_graph(checkpoint, "f32")
+    raw = load_params(checkpoint, graph, progress=False)
+    checker = EquivalenceChecker(graph, raw)
+    want = checker.outputs(graph, "reference")
+    fused = run_pipeline(graph, parse_spec("swiglu-fusion"), PassContext(), verify_mode="none").graph
+    for candidate, panels_per_layer in ((graph, 2), (fused, 1)):
+        folded = fold_weight_preparation(candidate, "cpu")
+        verify(folded)
+        nodes = folded.find(GroupedMatmulPanels)
+        assert len(nodes) == panels_per_layer * 2
+        for node in nodes:
+            dq = folded.node(node.operands[1].node)
+            assert isinstance(dq.op, Dequantize) and dq.op.block[1:] == (2, 128, 64)  # K = 96: one block of rows
+            values = folded.node(dq.operands[0].node).op
+            assert isinstance(values, Param) and values.type.dtype == "f8e4m3" and values.type.shape[3] == 64
+        prepared = load_params(checkpoint, folded, progress=False, loaded=raw)
+        got = outputs_by_item(checker.comparable(folded, run_graph(folded, prepared, checker.caches, checker.batch,
+                                                                   "cpu")), checker.rows)
+        for key in want:
+            scale = max(float(np.abs(want[key]).max()), 1e-30)
+            assert np.abs(np.asarray(got[key], np.float64) - want[key]).max() / scale < 1e-5, key

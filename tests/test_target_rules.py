@@ -272,7 +272,10 @@ FP8_BLOCKS = {"grouped_matmul": [(1, 128, 128), (1, 16, 5), (1, 32, 1), (8, 32, 
               "grouped_matmul_swiglu": [(1, 128, 128), (1, 16, 5), (1, 32, 1), (8, 32, 24)],
               "linear": [(128, 128), (16, 20), (1, 48), (40, 48)],
               "linear_f32": [(128, 128), (16, 20), (1, 48), (40, 48)],
-              "linear_swiglu": [(128, 128), (16, 20), (1, 48), (40, 48)]}
+              "linear_swiglu": [(128, 128), (16, 20), (1, 48), (40, 48)],
+              # panels [8, 2, 32, 64]: a 128-column block over two panels, k blocks cut unevenly (the FP8 panel
+              # kernel), one scale per tensor (made one per expert), 16 columns a scale (dequantized first)
+              "grouped_matmul_panels": [(1, 2, 128, 64), (1, 1, 12, 64), (8, 2, 32, 64), (1, 1, 32, 16)]}
 
 
 def test_every_rule_taking_fp8_weights_has_cases():
@@ -326,6 +329,12 @@ def test_the_native_kernels_read_fp8_weights_as_they_are():
         rows, values, scale, groups).as_text()
     if native.ensure("qcompile_grouped_matmul_swiglu_fp8"):
         assert "qcompile_grouped_matmul_swiglu_fp8" in hlo
+    values, scale = quantized(np.random.default_rng(1).standard_normal((8, 2, 32, 64)), (1, 1, 16, 64))
+    hlo = jax.jit(lambda r, v, s, g: lowering_rule(GroupedMatmulPanels, "cpu")(
+        GroupedMatmulPanels(swiglu=True), r, QuantizedWeight(v, s, (1, 1, 16, 64), np.float32), g)).lower(
+        rows, values, scale, groups).as_text()
+    if native.ensure("qcompile_grouped_matmul_swiglu_panels_fp8"):
+        assert "qcompile_grouped_matmul_swiglu_panels_fp8" in hlo and "panels_f32" not in hlo
 
 
 def _materialised(hlo: str) -> list[str]:

@@ -7,6 +7,8 @@ commutes with it when the scale moves with the values:
     transpose(dequantize(w, s){block})        = dequantize(transpose(w), transpose(s)){block permuted}
     slice(dequantize(w, s)) on block edges    = dequantize(slice(w), slice(s))
     concat(dequantize(w_i, s_i)), blocks whole = dequantize(concat(w_i), concat(s_i))
+    reshape(dequantize(w, s)) splitting one axis d -> (d/m, m), m | block or block | m
+                                              = dequantize(reshape(w), reshape(s)){the block split alike}
     cast(dequantize(w, s){dtype})             = dequantize(w, s){new dtype}
     dequantize(w, s) split along a mesh axis  = dequantize(w split alike, s split alike)
 
@@ -28,12 +30,12 @@ import math
 
 from qcompile.ir.builder import Builder
 from qcompile.ir.graph import Graph, Value
-from qcompile.ir.ops.core import Cast, Concat, Input, Param, Slice, Transpose
+from qcompile.ir.ops.core import Cast, Concat, Input, Param, Reshape, Slice, Transpose
 from qcompile.ir.ops.quant import Dequantize, RefineScale
 from qcompile.ir.types import Sharding
 
 #: ops that only move or convert a weight's elements: preparation when their operands are parameters
-LAYOUT_OPS = (Transpose, Slice, Concat, Cast)
+LAYOUT_OPS = (Transpose, Slice, Concat, Cast, Reshape)
 
 
 def has_dequantize(graph: Graph) -> bool:
@@ -63,6 +65,8 @@ def _sink(b: Builder, op, parts: list[tuple[Value, Value, Dequantize]],
     if isinstance(op, Transpose):
         return b.add(op, w0), b.add(Transpose(op.perm), s0), Dequantize(tuple(block[i] for i in op.perm), dq.dtype)
     rank = len(block)
+    if isinstance(op, Reshape):
+        return _sink_split(b, op, w0, s0, dq, memo)
     if isinstance(op, Slice):
         axis = op.axis % rank
         size = b.type_of(w0).shape[axis]
@@ -87,6 +91,40 @@ def _sink(b: Builder, op, parts: list[tuple[Value, Value, Dequantize]],
             scales.append(s)
         return b.add(op, *(w for w, _, _ in parts)), b.add(Concat(axis), *scales), Dequantize(tuple(common), dq.dtype)
     return None
+
+
+def _split_axis(shape: tuple, new_shape: tuple) -> int | None:
+    """The axis a reshape from `shape` to `new_shape` splits in two (every other axis kept), else None."""
+    if len(new_shape) != len(shape) + 1 or not all(isinstance(d, int) for d in (*shape, *new_shape)):
+        return None
+    axis = next((i for i, (d, n) in enumerate(zip(shape, new_shape)) if d != n), len(shape) - 1)
+    ok = (new_shape[:axis] == shape[:axis] and new_shape[axis + 2:] == shape[axis + 1:]
+          and new_shape[axis] * new_shape[axis + 1] == shape[axis])
+    return axis if ok else None
+
+
+def _sink_split(b: Builder, op: Reshape, w: Value, s: Value, dq: Dequantize,
+                memo: dict) -> tuple[Value, Value, Dequantize] | None:
+    """A reshape splitting one axis d of a dequantized weight into (d/m, m): the block b along it becomes (b/m, m)
+    when m divides b (the scale gains a unit axis), (1, b) when b divides m (the scale's d/b entries become
+    [d/m, m/b]); otherwise the scale is first made as fine as gcd(b, m). Any other reshape does not sink (None)."""
+    shape, new_shape = tuple(b.type_of(w).shape), tuple(op.shape)
+    axis = _split_axis(shape, new_shape)
+    if axis is None:
+        return None
+    inner = new_shape[axis + 1]
+    block = tuple(dq.block)
+    if block[axis] % inner and inner % block[axis]:
+        s, block = _refined(b, w, s, block, axis, memo, math.gcd(block[axis], inner))
+    scale_shape = list(b.type_of(s).shape)
+    if block[axis] % inner == 0:
+        split = (block[axis] // inner, inner)
+        scale_shape[axis + 1:axis + 1] = [1]
+    else:
+        split = (1, block[axis])
+        scale_shape[axis:axis + 1] = [new_shape[axis], inner // block[axis]]
+    new_block = (*block[:axis], *split, *block[axis + 1:])
+    return b.add(op, w), b.add(Reshape(tuple(scale_shape)), s), Dequantize(new_block, dq.dtype)
 
 
 def _split(b: Builder, w: Value, s: Value, dq: Dequantize, sharding, mesh,

@@ -16,8 +16,11 @@ candidate it runs with the target's rules, so the layout and its kernel are chec
              %9 = linear_panels(%8, %5) {swiglu=false} : f32[T,1024]
 
 The routed experts likewise (grouped_matmul and grouped_matmul_swiglu in f32 — or bf16 where the CPU has no AMX
-tiles, whose kernel reads [E, K, Nout] — over weights w[E, K, Nout] known at compile time, not FP8, Nout a multiple
-of 64): w[E, K, Nout] -> [E, Nout/64, K, 64], read by grouped_matmul_panels.
+tiles, whose kernel reads [E, K, Nout] — over weights w[E, K, Nout] known at compile time, Nout a multiple of 64):
+w[E, K, Nout] -> [E, Nout/64, K, 64], read by grouped_matmul_panels. FP8 experts computed in f32 too, when one scale
+spans each panel's 64 columns (Qwen's 128 x 128 blocks: a block is two panels): the reshape and transpose sink into
+the FP8 values and the scale (ir/fp8_layout.py), so the prepared panels stay FP8 and the kernel dequantizes each panel
+row in registers (c=32 experts of a bench-preset step 47 -> 16 ms, docs/cpu_rules.md "FP8 experts in panels").
 In the [E, K, Nout] layout a decode step's few-row items read 256-byte pieces of weight rows one page apart; in
 panels each expert's panel is one sequential stream (the c=32 decode step's experts 37 → 22 ms on a 2-core AMD EPYC,
 docs/cpu_rules.md "Experts in column panels").
@@ -32,6 +35,7 @@ checkpoint's layout than on panels (1.5× at 128 rows, docs/cpu_rules.md).
 from __future__ import annotations
 
 from qcompile.ir.builder import Builder
+from qcompile.ir.fp8_layout import sink_dequantize
 from qcompile.ir.graph import Graph, Value
 from qcompile.ir.ops.core import Input, Linear, LinearPanels, LinearSwiglu, Param, Reshape, Transpose
 from qcompile.ir.ops.quant import Dequantize
@@ -78,8 +82,16 @@ def _dequantized(graph: Graph, value: Value) -> bool:
     return False
 
 
+def _fp8_panels(graph: Graph, w: Value) -> bool:
+    """Whether `w` is an FP8 expert weight the FP8 panel kernel can read in panels: dequantized to f32 directly
+    (layout ops already sunk into its values and scale) with one scale across every 64 output columns."""
+    op = graph.node(w.node).op
+    return isinstance(op, Dequantize) and op.dtype == "f32" and len(op.block) == 3 and op.block[2] % PANEL == 0
+
+
 def _panel_experts(graph: Graph) -> dict[int, bool]:
-    """Ids of the grouped_matmul / grouped_matmul_swiglu nodes to rewrite -> whether the node is the swiglu one."""
+    """Ids of the grouped_matmul / grouped_matmul_swiglu nodes to rewrite -> whether the node is the swiglu one.
+    `graph` has its dequantizes sunk (ir/fp8_layout.py), so an FP8 expert weight is a dequantize's result."""
     from qcompile.ir.weights import params_only
 
     pure = params_only(graph)
@@ -92,11 +104,15 @@ def _panel_experts(graph: Graph) -> dict[int, bool]:
         rt, wt = graph.type_of(rows), graph.type_of(w)
         known = w.node in pure or isinstance(graph.node(w.node).op, Param)
         nout = wt.shape[2]
-        kernel = panel_kernel(wt.dtype, swiglu) if rt.dtype == wt.dtype else None
-        if (known and kernel is not None and wt.sharding is None and rt.sharding is None
+        if _dequantized(graph, w):  # FP8 stays FP8: only where the FP8 panel kernel reads it
+            kernel = panel_kernel(wt.dtype, swiglu, fp8=True) if _fp8_panels(graph, w) else None
+            known = all(v.node in pure or isinstance(graph.node(v.node).op, Param)  # its values and scale
+                        for v in graph.node(w.node).operands)
+        else:
+            kernel = panel_kernel(wt.dtype, swiglu)
+        if (known and kernel is not None and rt.dtype == wt.dtype and wt.sharding is None and rt.sharding is None
                 and isinstance(nout, int) and nout % (2 * PANEL if swiglu else PANEL) == 0
-                and all(isinstance(d, int) for d in wt.shape) and not _dequantized(graph, w)
-                and native.ensure(kernel)):
+                and all(isinstance(d, int) for d in wt.shape) and native.ensure(kernel)):
             chosen[node.id] = swiglu
     return chosen
 
@@ -105,10 +121,11 @@ def in_target_layout(graph: Graph, target: str | None) -> Graph:
     """`graph` with its weights in `target`'s layout (module docstring); the same graph object when nothing changes."""
     if target not in PANEL_TARGETS or graph.meta.get("mesh") is not None or not native.ensure(NATIVE_PANELS):
         return graph
+    original, graph = graph, sink_dequantize(graph)  # FP8 experts: their blocks as the kernel would see them
     chosen = _panel_weights(graph)
     experts = _panel_experts(graph)
     if not chosen and not experts:
-        return graph
+        return original
     b = Builder()
     mapping: dict[Value, Value] = {}
     panels: dict[Value, Value] = {}  # a weight -> its panels (a weight shared by two linears is packed once)

@@ -50,6 +50,8 @@ KERNELS = {
     "qcompile_grouped_matmul_panels_bf16_pairs": ("grouped_matmul_f32.cc", "QcompileGroupedMatmulPanelsBf16Pairs"),
     "qcompile_grouped_matmul_fp8": ("grouped_matmul_f32.cc", "QcompileGroupedMatmulFp8"),
     "qcompile_grouped_matmul_swiglu_fp8": ("grouped_matmul_f32.cc", "QcompileGroupedMatmulSwigluFp8"),
+    "qcompile_grouped_matmul_panels_fp8": ("grouped_matmul_f32.cc", "QcompileGroupedMatmulPanelsFp8"),
+    "qcompile_grouped_matmul_swiglu_panels_fp8": ("grouped_matmul_f32.cc", "QcompileGroupedMatmulSwigluPanelsFp8"),
     "qcompile_grouped_matmul_bf16": ("grouped_matmul_f32.cc", "QcompileGroupedMatmulBf16"),
     "qcompile_linear_f32": ("linear_f32.cc", "QcompileLinearF32"),
     "qcompile_linear_fp8": ("linear_f32.cc", "QcompileLinearFp8"),

@@ -189,9 +189,10 @@ def _gmm_panels(op_, rows, w, group_sizes):
     return grouped_matmul_panels_reference(rows, w, group_sizes, op_.swiglu)
 
 
-@lowering(GroupedMatmulPanels, "cpu")
+@lowering(GroupedMatmulPanels, "cpu", takes_quantized=True)
 def _gmm_panels_cpu(op_, rows, w, group_sizes):
-    """The native panel kernel (with the SwiGLU epilogue when asked), kernels/grouped_matmul.py."""
+    """The native panel kernel (with the SwiGLU epilogue when asked; FP8 panels dequantized in registers),
+    kernels/grouped_matmul.py."""
     return grouped_matmul_panels_cpu(rows, w, group_sizes, op_.swiglu)
 
 

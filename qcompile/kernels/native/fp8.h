@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 
 #if defined(__x86_64__)
@@ -88,6 +89,46 @@ inline void dequant_row(const uint8_t* src, const float* scale, int64_t block, i
     for (; c + 16 <= c1; c += 16) dequant16(src + c, s, dst + c);
     for (; c < c1; ++c) dst[c] = table[src[c]] * s;
   }
+}
+
+// A row of 64 FP8 weights of one block scale, dequantized in registers (the panel kernels: a 64-column panel row is
+// one cache line of FP8). Where the CPU has AVX-512 BW, e4m3 goes through fp16: the byte sign-extended to 16 bits and
+// shifted left by 7 puts S at bit 15 and EEEE.MMM at bits 7..13 of an fp16 whose value is the FP8 value · 2^-8 (fp16's
+// exponent bias is 15, e4m3's 7; FP8 subnormals land on fp16 subnormals, zero on zero), widened exactly to f32 by
+// VCVTPH2PS, then multiplied by scale · 2^8: the product of two exact factors, rounded once — the reference's value.
+// Five vector instructions per 16 weights instead of dequant16's fifteen. S.1111.111 (NaN) would come out finite
+// this way, so a row holding one takes dequant16's route (one compare per row).
+struct Fp8RowScale {
+  float scale, scaled;  // the block's scale, and scale · 2^8 (not finite: the row takes the portable route)
+  explicit Fp8RowScale(float s) : scale(s), scaled(s * 256.0f) {}
+};
+
+inline void dequant64_portable(const uint8_t* src, float s, float* dst) {
+  for (int i = 0; i < 64; i += 16) dequant16(src + i, s, dst + i);
+}
+
+// dst[0:4] (16 lanes each) = value(src[0:64]) · s.
+inline void dequant64(const uint8_t* src, const Fp8RowScale& s, f32x16 dst[4]) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  const __m512i bytes = _mm512_loadu_si512(src);
+  const __m512i seven = _mm512_set1_epi8(0x7f);
+  const __mmask64 nan = _mm512_cmpeq_epi8_mask(_mm512_and_si512(bytes, seven), seven);
+  if (__builtin_expect(nan == 0 && std::isfinite(s.scaled), 1)) {
+    const __m512i keep = _mm512_set1_epi16(static_cast<int16_t>(0xbfff));  // bit 14 held the sign: cleared
+    const __m512i lo = _mm512_and_si512(_mm512_slli_epi16(_mm512_cvtepi8_epi16(_mm512_castsi512_si256(bytes)), 7), keep);
+    const __m512i hi =
+        _mm512_and_si512(_mm512_slli_epi16(_mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(bytes, 1)), 7), keep);
+    const __m512 sv = _mm512_set1_ps(s.scaled);
+    dst[0] = (f32x16)_mm512_mul_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(lo)), sv);
+    dst[1] = (f32x16)_mm512_mul_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(lo, 1)), sv);
+    dst[2] = (f32x16)_mm512_mul_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(hi)), sv);
+    dst[3] = (f32x16)_mm512_mul_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(hi, 1)), sv);
+    return;
+  }
+#endif
+  float buf[64];
+  dequant64_portable(src, s.scale, buf);
+  for (int v = 0; v < 4; ++v) std::memcpy(&dst[v], buf + 16 * v, 64);
 }
 
 }  // namespace qcompile_native

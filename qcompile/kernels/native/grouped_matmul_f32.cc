@@ -59,6 +59,7 @@ constexpr int kMr = 6;                  // rows per register tile
 constexpr int kNv = 4;                  // 16-float vectors per tile row
 constexpr int64_t kNr = 16 * kNv;       // columns per panel
 constexpr int64_t kPrefetchRows = 16;   // weight rows prefetched ahead within a panel
+constexpr int64_t kPrefetchRowsFp8 = 64;  // FP8 panel rows (64 bytes each) prefetched ahead: the same 4 KiB
 constexpr int64_t kSlabFloats = 65536;  // k block: kc = kSlabFloats / Nout (>= 16) weight rows (256 KiB) per slab
 constexpr int64_t kRowChunk = 8 * kMr;  // rows per work item
 constexpr int64_t kRowChunkWidened = 4 * kRowChunk;  // bf16: rows per item (each item widens its expert's slabs once)
@@ -89,7 +90,7 @@ void tile(const float* x, int64_t ldx, const W* w, int64_t ldw, int64_t k, float
     v16 b[NV];
     for (int v = 0; v < NV; ++v) b[v] = load_w(wr + 16 * v);
     for (int m = 0; m < MR; ++m) {
-      const v16 a = v16{} + x[m * ldx + kk];
+      const v16 a = qcompile_native::splat(x[m * ldx + kk]);
       for (int v = 0; v < NV; ++v) acc[m][v] += a * b[v];
     }
   }
@@ -144,7 +145,8 @@ struct Job {
   int64_t k, nout;
   bool swiglu;  // out[r, j] = silu(y[r, j]) * y[r, nout/2 + j] of the product y, out nout/2 wide
   std::vector<Item> items;
-  // FP8 weights (w8 set, w null): values [E, K, Nout], scales [E, kblocks, nblocks] in blocks of bk x bn
+  // FP8 weights (w8 set, w null): values [E, K, Nout], scales [E, kblocks, nblocks] in blocks of bk x bn; in panels
+  // (panels set) values [E, P, K, 64], scales [E, nblocks, kblocks] in blocks of bn panels x bk rows
   const uint8_t* w8 = nullptr;
   const float* scale = nullptr;
   const uint16_t* w16 = nullptr;  // bf16 weights [E, K, Nout] (w null)
@@ -160,6 +162,57 @@ void dequant_slab(const Job& j, int64_t e, int64_t k0, int64_t kc, float* buf) {
   for (int64_t kk = 0; kk < kc; ++kk)
     qcompile_native::dequant_row(we + (k0 + kk) * j.nout, se + ((k0 + kk) / j.bk) * j.nblocks, j.bn, j.nout,
                                  buf + kk * j.nout);
+}
+
+// out[m, 0:64] = x[m, 0:k] · w[0:k, 0:64] for m < MR, w an FP8 panel (64 bytes a row) whose rows k use the block scale
+// scale[k / bk]: each row dequantized in registers (fp8.h dequant64) and multiplied as the f32 tile multiplies, so the
+// result equals the f32 panel kernel's on the dequantized panel bit for bit.
+template <int MR>
+void tile_fp8(const float* x, int64_t ldx, const uint8_t* w, const float* scale, int64_t bk, int64_t k, float* out,
+              int64_t ldo) {
+  v16 acc[MR][kNv];
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < kNv; ++v) acc[m][v] = v16{};
+  for (int64_t k0 = 0; k0 < k; k0 += bk) {
+    const qcompile_native::Fp8RowScale s(scale[k0 / bk]);
+    const int64_t k1 = std::min(k, k0 + bk);
+    for (int64_t kk = k0; kk < k1; ++kk) {
+      const uint8_t* wr = w + kk * kNr;
+      __builtin_prefetch(wr + kPrefetchRowsFp8 * kNr);
+      v16 b[kNv];
+      qcompile_native::dequant64(wr, s, b);
+      for (int m = 0; m < MR; ++m) {
+        const v16 a = qcompile_native::splat(x[m * ldx + kk]);
+        for (int v = 0; v < kNv; ++v) acc[m][v] += a * b[v];
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < kNv; ++v) store(out + m * ldo + 16 * v, acc[m][v]);
+}
+
+void tile_fp8_rows(const float* x, int64_t ldx, int rows, const uint8_t* w, const float* scale, int64_t bk, int64_t k,
+                   float* out, int64_t ldo) {
+  switch (rows) {
+    case 1: tile_fp8<1>(x, ldx, w, scale, bk, k, out, ldo); break;
+    case 2: tile_fp8<2>(x, ldx, w, scale, bk, k, out, ldo); break;
+    case 3: tile_fp8<3>(x, ldx, w, scale, bk, k, out, ldo); break;
+    case 4: tile_fp8<4>(x, ldx, w, scale, bk, k, out, ldo); break;
+    case 5: tile_fp8<5>(x, ldx, w, scale, bk, k, out, ldo); break;
+    default: tile_fp8<kMr>(x, ldx, w, scale, bk, k, out, ldo); break;
+  }
+}
+
+// An FP8 panel (K rows of 64 bytes, block scales scale[k / bk]) dequantized into dst ([K, 64] f32).
+void dequant_panel(const uint8_t* w, const float* scale, int64_t bk, int64_t k, float* dst) {
+  for (int64_t k0 = 0; k0 < k; k0 += bk) {
+    const qcompile_native::Fp8RowScale s(scale[k0 / bk]);
+    for (int64_t kk = k0; kk < std::min(k, k0 + bk); ++kk) {
+      v16 b[kNv];
+      qcompile_native::dequant64(w + kk * kNr, s, b);
+      for (int v = 0; v < kNv; ++v) store(dst + kk * kNr + 16 * v, b[v]);
+    }
+  }
 }
 
 // rows[it] · w[e] with w in panels ([E, Nout/64, K, 64]): per panel, each row tile's accumulators stay in registers
@@ -185,6 +238,23 @@ void panel_product(const Job& j, const Item& it, float* out, int64_t ldo) {
       continue;
     }
 #endif
+    if (j.w8 != nullptr) {  // FP8 panels: one row tile dequantizes in registers; more share a dequantized panel
+      const float* sp = j.scale + (it.expert * j.nblocks + p / j.bn) * j.kblocks;  // this panel's scales along K
+      if (it.rows > kMr) {
+        widened.resize(static_cast<size_t>(panel));
+        dequant_panel(j.w8 + at, sp, j.bk, j.k, widened.data());
+      }
+      for (int64_t r = 0; r < it.rows; r += kMr) {
+        const int rows = static_cast<int>(std::min<int64_t>(kMr, it.rows - r));
+        const float* x = j.x + (it.row0 + r) * j.k;
+        float* o = out + r * ldo + p * kNr;
+        if (it.rows > kMr)
+          tile_rows<kNv, float>(x, j.k, rows, widened.data(), kNr, j.k, o, ldo, false);
+        else
+          tile_fp8_rows(x, j.k, rows, j.w8 + at, sp, j.bk, j.k, o, ldo);
+      }
+      continue;
+    }
     const float* wp = j.w != nullptr ? j.w + at : nullptr;
     if (wp == nullptr && it.rows > kMr) {
       widened.resize(static_cast<size_t>(panel));
@@ -280,7 +350,8 @@ ffi::Error Launch(ffi::ThreadPool pool, std::shared_ptr<Job> job, int64_t n, int
     std::memset(job->out, 0, sizeof(float) * n * width);
     return ffi::Error::Success();
   }
-  const int64_t row = qcompile_native::group_chunks(gs, experts, n, job->w16 != nullptr ? kRowChunkWidened : kRowChunk,
+  const int64_t row = qcompile_native::group_chunks(gs, experts, n, job->w16 != nullptr || (job->w8 != nullptr && job->panels)
+                                                        ? kRowChunkWidened : kRowChunk,
                                                     job->items);
   if (row < n) std::memset(job->out + row * width, 0, sizeof(float) * (n - row) * width);
   qcompile_native::parallel_items(pool, static_cast<int64_t>(job->items.size()),
@@ -358,6 +429,50 @@ ffi::Error RunFp8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> rows, ffi::AnyBuff
   job->nout = wd[2];
   job->swiglu = swiglu;
   return Launch(pool, job, rd[0], wd[0], group_sizes.typed_data());
+}
+
+// rows[N,K] f32, w[E,P,K,64] e4m3fn panels, scale[E, ceil(P/bp), ceil(K/bk)] f32 -> out f32 (SwiGLU in the epilogue
+// when asked, as the f32 panel kernel).
+ffi::Error RunPanelsFp8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> rows, ffi::AnyBuffer w, ffi::Buffer<ffi::F32> scale,
+                        ffi::Buffer<ffi::S32> group_sizes, ffi::ResultBuffer<ffi::F32> out, int64_t bp, int64_t bk,
+                        bool swiglu) {
+  const auto rd = rows.dimensions();
+  const auto wd = w.dimensions();
+  const auto sd = scale.dimensions();
+  const auto gd = group_sizes.dimensions();
+  if (w.element_type() != ffi::DataType::F8E4M3FN || rd.size() != 2 || wd.size() != 4 || gd.size() != 1 ||
+      sd.size() != 3 || wd[2] != rd[1] || wd[3] != kNr || gd[0] != wd[0] || (swiglu && wd[1] % 2) || bp < 1 ||
+      bk < 1 || sd[0] != wd[0] || sd[1] != (wd[1] + bp - 1) / bp || sd[2] != (wd[2] + bk - 1) / bk)
+    return ffi::Error::InvalidArgument("qcompile grouped matmul panels fp8: expected rows[N,K], w[E,P,K,64] e4m3fn "
+                                       "panels (an even P for swiglu), scale[E,ceil(P/block_p),ceil(K/block_k)], "
+                                       "group_sizes[E]");
+  auto job = std::make_shared<Job>();  // shared with the items, which may run after this frame returns
+  job->x = rows.typed_data();
+  job->w = nullptr;
+  job->w8 = static_cast<const uint8_t*>(w.untyped_data());
+  job->scale = scale.typed_data();
+  job->bn = bp;
+  job->bk = bk;
+  job->nblocks = sd[1];
+  job->kblocks = sd[2];
+  job->out = out->typed_data();
+  job->k = rd[1];
+  job->nout = wd[1] * kNr;
+  job->swiglu = swiglu;
+  job->panels = true;
+  return Launch(pool, job, rd[0], wd[0], group_sizes.typed_data());
+}
+
+ffi::Error GroupedMatmulPanelsFp8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> rows, ffi::AnyBuffer w,
+                                  ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::S32> group_sizes,
+                                  ffi::ResultBuffer<ffi::F32> out, int64_t bp, int64_t bk) {
+  return RunPanelsFp8(pool, rows, w, scale, group_sizes, out, bp, bk, false);
+}
+
+ffi::Error GroupedMatmulSwigluPanelsFp8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> rows, ffi::AnyBuffer w,
+                                        ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::S32> group_sizes,
+                                        ffi::ResultBuffer<ffi::F32> out, int64_t bp, int64_t bk) {
+  return RunPanelsFp8(pool, rows, w, scale, group_sizes, out, bp, bk, true);
 }
 
 ffi::Error GroupedMatmulBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> rows, ffi::AnyBuffer w,
@@ -491,3 +606,19 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(QcompileGroupedMatmulPanelsBf16Pairs, GroupedMatmu
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QcompileGroupedMatmulFp8, GroupedMatmulFp8, QCOMPILE_GROUPED_MATMUL_FP8_BINDING);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QcompileGroupedMatmulSwigluFp8, GroupedMatmulSwigluFp8,
                               QCOMPILE_GROUPED_MATMUL_FP8_BINDING);
+// rows[N,K] f32, w[E,P,K,64] e4m3fn panels, scale[E,PB,KB] f32, group_sizes[E]; attrs block_p, block_k -> out.
+#define QCOMPILE_GROUPED_MATMUL_PANELS_FP8_BINDING     \
+  ffi::Ffi::Bind()                                    \
+      .Ctx<ffi::ThreadPool>()                         \
+      .Arg<ffi::Buffer<ffi::F32>>()                   \
+      .Arg<ffi::AnyBuffer>()                          \
+      .Arg<ffi::Buffer<ffi::F32>>()                   \
+      .Arg<ffi::Buffer<ffi::S32>>()                   \
+      .Ret<ffi::Buffer<ffi::F32>>()                   \
+      .Attr<int64_t>("block_p")                       \
+      .Attr<int64_t>("block_k")
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QcompileGroupedMatmulPanelsFp8, GroupedMatmulPanelsFp8,
+                              QCOMPILE_GROUPED_MATMUL_PANELS_FP8_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QcompileGroupedMatmulSwigluPanelsFp8, GroupedMatmulSwigluPanelsFp8,
+                              QCOMPILE_GROUPED_MATMUL_PANELS_FP8_BINDING);

@@ -15,6 +15,8 @@ typedef float v16u __attribute__((vector_size(64), aligned(4)));
 typedef int32_t v16i __attribute__((vector_size(64)));
 
 inline v16 load(const float* p) { return *reinterpret_cast<const v16u*>(p); }
+// x in every lane (one broadcast; `v16{} + x` costs a scalar add first: 0 + x is not x for x = -0).
+inline v16 splat(float x) { return v16{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
 inline void store(float* p, v16 v) { *reinterpret_cast<v16u*>(p) = v; }
 
 // e^x for 16 lanes: x = n·ln2 + r with |r| ≤ ln2/2, e^r by Cephes' degree-6 polynomial, 2^n through the exponent
