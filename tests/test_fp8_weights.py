@@ -233,7 +233,7 @@ def test_fp8_weights_on_a_mesh(fp8_tiny):
     from qcompile.passes.equivalence import EquivalenceChecker
     from qcompile.passes.registry import PASSES
 
-    model = load_model(fp8_tiny, "f32", progress=False)
+    model = load_model(fp8_tiny, "f32", progress=False, layout=False)  # the checkpoint's layout, as passes see it
     graph = Graph(model.graph.dag, model.graph.outputs, {**model.graph.meta, "mesh": parse_mesh_spec("4x2")})
     checker = EquivalenceChecker(graph, model.params, seed=3, target="cpu")
     result = PASSES["gqa-sharding"].run(graph, PassContext(options=(("concurrency", 8), ("layout", "dp4xtp2"))))

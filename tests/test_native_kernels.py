@@ -125,7 +125,9 @@ def test_fp8_panels_equal_the_f32_panel_kernel_on_the_dequantized_weights(swiglu
     panel kernel's on the dequantized weights bit for bit (the same value, FP8 · scale rounded once, multiplied in the
     same order) — over every FP8 code (subnormals and zeros included), blocks of 1-3 panels and 1-128 rows cut
     unevenly, groups of 0-75 rows, padding rows; a NaN code poisons exactly its column of its expert's rows; a scale
-    whose · 2^8 overflows takes the portable route and still equals; and against the float64 oracle."""
+    whose · 2^8 overflows takes the portable route and still equals; and against the float64 oracle. For a bf16 graph
+    (each weight rounded to bf16 in the kernel) the f32 products equal the bf16 panel kernel's on the bf16
+    dequantize, bit for bit."""
     import ml_dtypes
 
     from qcompile.kernels.fp8 import QuantizedWeight
@@ -158,6 +160,13 @@ def test_fp8_panels_equal_the_f32_panel_kernel_on_the_dequantized_weights(swiglu
         got = np.asarray(fp8(rows, weight, gs))
         want = np.asarray(f32(rows, weight.dequantize(), gs, swiglu))
         np.testing.assert_array_equal(got, want, err_msg=f"case {case}: bp {bp}, bk {bk}, groups {np.asarray(gs)}")
+        if not swiglu:  # a bf16 graph's: each weight rounded to bf16 in the kernel = the bf16 panel kernel's products
+            raw = jax.ffi.ffi_call(gm.NATIVE_PANELS_FP8, jax.ShapeDtypeStruct((rows.shape[0], 64 * p), jnp.float32))(
+                rows, values, jnp.asarray(scale[..., 0]), gs, block_p=bp, block_k=bk, bf16_weights=1)
+            w16 = QuantizedWeight(values, jnp.asarray(scale), (1, bp, bk, 64), jnp.bfloat16).dequantize()
+            ref16 = jax.ffi.ffi_call(gm.NATIVE_PANELS_BF16, jax.ShapeDtypeStruct((rows.shape[0], 64 * p), jnp.float32))(
+                rows, w16, gs)
+            np.testing.assert_array_equal(np.asarray(raw), np.asarray(ref16), err_msg=f"bf16 case {case}")
         _, total = oracle(rows, np.zeros((e, k, 1)), gs)
         assert not got[total:].any(), f"case {case}: padding rows must be 0"
         if case == 1:
@@ -172,6 +181,47 @@ def test_fp8_panels_equal_the_f32_panel_kernel_on_the_dequantized_weights(swiglu
         if total:
             err = np.abs(got - oracle_out).max() / max(np.abs(oracle_out).max(), 1e-30)
             assert err <= REL, f"case {case}: {err:.2e}"
+
+
+def test_linear_fp8_panels_equal_the_f32_panel_kernel_on_the_dequantized_weights():
+    """Dense FP8 weights in panels ([P, K, 64] e4m3, scales [ceil(P/bp), ceil(K/bk)]), each k block of a panel
+    dequantized into an f32 block: equal bit for bit to the f32 panel kernel on the dequantized panels at 1-130 rows
+    (row tiles, row chunks past 48), K across the kernel's 64-row k blocks with tails, scale blocks of 1-3 panels and
+    1-128 rows cut unevenly, every FP8 code but NaN; a NaN code poisons its column only; and the float64 oracle.
+    bf16 (each weight rounded to bf16 in the kernel): equal to the bf16 panel kernel on the bf16 dequantize."""
+    import ml_dtypes
+
+    from qcompile.kernels.fp8 import QuantizedWeight
+
+    rng = np.random.default_rng(20261208)
+    f32 = jax.jit(lin.linear_panels_cpu)
+    for case, (t, k, p) in enumerate([(1, 64, 1), (5, 65, 3), (7, 1, 2), (40, 300, 4), (49, 130, 5), (130, 63, 2),
+                                      (6, 200, 3)]):
+        bp, bk = int(rng.integers(1, 4)), int(rng.choice([1, 7, 64, 128]))
+        codes = rng.integers(0, 256, (p, k, 64)).astype(np.uint8)
+        codes[(codes & 0x7F) == 0x7F] = 0
+        if case == 1:
+            codes[1, 3, 9] = 0x7F
+        scale = rng.uniform(0.5, 2.0, (-(-p // bp), -(-k // bk), 1)).astype(np.float32) / 64
+        weight = QuantizedWeight(jnp.asarray(codes.view(ml_dtypes.float8_e4m3fn)), jnp.asarray(scale), (bp, bk, 64),
+                                 jnp.float32)
+        x = jnp.asarray(rng.standard_normal((t, k)), jnp.float32)
+        got = np.asarray(jax.jit(lambda x, v, sc: lin.linear_panels_cpu(
+            x, QuantizedWeight(v, sc, weight.block, jnp.float32)))(x, weight.values, weight.scale))
+        want = np.asarray(f32(x, weight.dequantize()))
+        np.testing.assert_array_equal(got, want, err_msg=f"x {x.shape}, {p} panels, blocks {bp} x {bk}")
+        # a bf16 graph's: each weight rounded to bf16 in the kernel = the bf16 panel kernel on the bf16 dequantize
+        raw = jax.ffi.ffi_call(lin.NATIVE_PANELS_FP8, jax.ShapeDtypeStruct((t, 64 * p), jnp.float32))(
+            x, weight.values, jnp.asarray(scale[..., 0]), block_p=bp, block_k=bk, bf16_weights=1)
+        w16 = QuantizedWeight(weight.values, weight.scale, weight.block, jnp.bfloat16).dequantize()
+        ref16 = jax.ffi.ffi_call(lin.NATIVE_PANELS_BF16, jax.ShapeDtypeStruct((t, 64 * p), jnp.float32))(x, w16)
+        np.testing.assert_array_equal(np.asarray(raw), np.asarray(ref16), err_msg=f"bf16 x {x.shape}")
+        if case == 1:
+            assert set(np.nonzero(np.isnan(got))[1].tolist()) == {64 + 9}
+            continue
+        dense = np.asarray(weight.dequantize(), np.float64).transpose(1, 0, 2).reshape(k, 64 * p)
+        oracle_out = np.asarray(x, np.float64) @ dense
+        assert np.abs(got - oracle_out).max() <= REL * np.abs(oracle_out).max(), f"case {case}"
 
 
 def test_bench_preset_shapes_and_the_cpu_rule_agree_with_the_jnp_rule():

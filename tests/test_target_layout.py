@@ -361,7 +361,8 @@ def test_fp8_experts_stay_fp8_in_panels_and_compute_the_same_logits(tmp_path):
     """An FP8 checkpoint (Qwen's 128 x 128 blocks) with moe_intermediate_size 128, computed in f32: the routed experts
     become grouped_matmul_panels over FP8 panels — prepared values f8e4m3[E, P, K, 64] and their scale, dequantized
     in the step (the kernel reads one byte a weight), the 128-column blocks split into pairs of panels — unfused and
-    swiglu-fused; the folded cpu build's logits match the unoptimized graph's reference rules."""
+    swiglu-fused; so do the dense FP8 projections (linear_panels over FP8 [P, K, 64]); the folded cpu build's logits
+    match the unoptimized graph's reference rules."""
     import copy
 
     from qcompile.frontend.tiny import full_config, write_checkpoint
@@ -391,9 +392,47 @@ def test_fp8_experts_stay_fp8_in_panels_and_compute_the_same_logits(tmp_path):
             assert isinstance(dq.op, Dequantize) and dq.op.block[1:] == (2, 128, 64)  # K = 96: one block of rows
             values = folded.node(dq.operands[0].node).op
             assert isinstance(values, Param) and values.type.dtype == "f8e4m3" and values.type.shape[3] == 64
+        # the dense FP8 projections whose N is a multiple of 64 (in_proj_qkv, q/k/v/o...) read FP8 panels too
+        fp8_linears = [n for n in folded.find(LinearPanels)
+                       if isinstance(folded.node(n.operands[1].node).op, Dequantize)]
+        assert len(fp8_linears) >= 4 and not [n for n in folded.find(Linear)
+                                              if isinstance(folded.node(n.operands[1].node).op, Dequantize)
+                                              and folded.type_of(n.results[0]).shape[-1] % 64 == 0]
         prepared = load_params(checkpoint, folded, progress=False, loaded=raw)
         got = outputs_by_item(checker.comparable(folded, run_graph(folded, prepared, checker.caches, checker.batch,
                                                                    "cpu")), checker.rows)
         for key in want:
             scale = max(float(np.abs(want[key]).max()), 1e-30)
             assert np.abs(np.asarray(got[key], np.float64) - want[key]).max() / scale < 1e-5, key
+
+
+def test_fp8_panels_in_a_bf16_graph(tmp_path):
+    """The same FP8 checkpoint in its own compute dtype (bf16, as Qwen's FP8 releases declare): experts and dense
+    projections read FP8 panels (each weight rounded to bf16 in the kernel, as the reference's dequantize rounds it),
+    and the folded cpu build passes the bf16 check against the reference rules (the class bound, widened to 3 x the
+    unoptimized graph's own rounding noise as every bf16 check is)."""
+    import copy
+
+    from qcompile.frontend.tiny import full_config, write_checkpoint
+    from qcompile.ir.ops.moe import GroupedMatmulPanels
+    from qcompile.ir.ops.quant import Dequantize
+    from qcompile.passes.equivalence import EquivalenceChecker, compare, outputs_by_item, run_graph
+
+    config = copy.deepcopy(full_config("tiny", "qwen3_5_moe", "fp8"))
+    config["text_config"].update(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
+                                 moe_intermediate_size=128)
+    checkpoint = Checkpoint.open(write_checkpoint(tmp_path / "m", config, seed=7))
+    graph = build_graph(checkpoint)
+    assert graph.meta["dtype"] == "bf16"
+    raw = load_params(checkpoint, graph, progress=False)
+    checker = EquivalenceChecker(graph, raw, target="cpu")
+    folded = fold_weight_preparation(graph, "cpu")
+    verify(folded)
+    fp8_reads = [n for n in (*folded.find(GroupedMatmulPanels), *folded.find(LinearPanels))
+                 if isinstance(folded.node(n.operands[1].node).op, Dequantize)]
+    assert len(folded.find(GroupedMatmulPanels)) == 4 and len(fp8_reads) >= 8
+    prepared = load_params(checkpoint, folded, progress=False, loaded=raw)
+    got = outputs_by_item(checker.comparable(folded, run_graph(folded, prepared, checker.caches, checker.batch,
+                                                               "cpu")), checker.rows)
+    result = compare(checker.reference_outputs, got, 3e-2, noise=checker.noise)
+    assert result.ok, result.reason

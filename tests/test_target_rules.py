@@ -275,7 +275,10 @@ FP8_BLOCKS = {"grouped_matmul": [(1, 128, 128), (1, 16, 5), (1, 32, 1), (8, 32, 
               "linear_swiglu": [(128, 128), (16, 20), (1, 48), (40, 48)],
               # panels [8, 2, 32, 64]: a 128-column block over two panels, k blocks cut unevenly (the FP8 panel
               # kernel), one scale per tensor (made one per expert), 16 columns a scale (dequantized first)
-              "grouped_matmul_panels": [(1, 2, 128, 64), (1, 1, 12, 64), (8, 2, 32, 64), (1, 1, 32, 16)]}
+              "grouped_matmul_panels": [(1, 2, 128, 64), (1, 1, 12, 64), (8, 2, 32, 64), (1, 1, 32, 16)],
+              # panels [3, 48, 64]: Qwen's 128 rows over two panels (the last block one panel), k blocks of 16, one
+              # scale per tensor (the FP8 panel kernel), 32 columns a scale (dequantized first)
+              "linear_panels": [(2, 128, 64), (1, 16, 64), (3, 48, 64), (1, 48, 32)]}
 
 
 def test_every_rule_taking_fp8_weights_has_cases():
@@ -335,6 +338,11 @@ def test_the_native_kernels_read_fp8_weights_as_they_are():
         rows, values, scale, groups).as_text()
     if native.ensure("qcompile_grouped_matmul_swiglu_panels_fp8"):
         assert "qcompile_grouped_matmul_swiglu_panels_fp8" in hlo and "panels_f32" not in hlo
+    values, scale = quantized(np.random.default_rng(2).standard_normal((3, 48, 64)), (2, 16, 64))
+    hlo = jax.jit(lambda x, v, s: lowering_rule(LinearPanels, "cpu")(
+        LinearPanels(), x, QuantizedWeight(v, s, (2, 16, 64), np.float32))).lower(x, values, scale).as_text()
+    if native.ensure("qcompile_linear_panels_fp8"):
+        assert "qcompile_linear_panels_fp8" in hlo and "panels_f32" not in hlo
 
 
 def _materialised(hlo: str) -> list[str]:

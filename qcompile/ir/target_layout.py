@@ -17,7 +17,7 @@ candidate it runs with the target's rules, so the layout and its kernel are chec
 
 The routed experts likewise (grouped_matmul and grouped_matmul_swiglu in f32 — or bf16 where the CPU has no AMX
 tiles, whose kernel reads [E, K, Nout] — over weights w[E, K, Nout] known at compile time, Nout a multiple of 64):
-w[E, K, Nout] -> [E, Nout/64, K, 64], read by grouped_matmul_panels. FP8 experts computed in f32 too, when one scale
+w[E, K, Nout] -> [E, Nout/64, K, 64], read by grouped_matmul_panels. FP8 experts (f32 or bf16) too, when one scale
 spans each panel's 64 columns (Qwen's 128 x 128 blocks: a block is two panels): the reshape and transpose sink into
 the FP8 values and the scale (ir/fp8_layout.py), so the prepared panels stay FP8 and the kernel dequantizes each panel
 row in registers (c=32 experts of a bench-preset step 47 -> 16 ms, docs/cpu_rules.md "FP8 experts in panels").
@@ -25,8 +25,9 @@ In the [E, K, Nout] layout a decode step's few-row items read 256-byte pieces of
 panels each expert's panel is one sequential stream (the c=32 decode step's experts 37 → 22 ms on a 2-core AMD EPYC,
 docs/cpu_rules.md "Experts in column panels").
 
-Rewritten (cpu): linear and linear_swiglu in f32, or in bf16 with bf16 weights (the kernel widens them), whose weight is known at compile time (params-only, not an FP8
-weight that stays FP8 in the step), unsharded, with N a multiple of 64. Everything else keeps its op. A graph on a
+Rewritten (cpu): linear and linear_swiglu in f32, or in bf16 with bf16 weights (the kernel widens them), whose weight
+is known at compile time (params-only, or an FP8 weight, f32 or bf16, whose scale spans 64 output rows — it stays
+FP8 in panels, dequantized a k block at a time in the kernel), unsharded, with N a multiple of 64. Everything else keeps its op. A graph on a
 device mesh is left as it is (its weights are laid out by their shardings), and so is every graph when the native
 panel kernel cannot be built here or QCOMPILE_NATIVE=off: without the kernel, XLA's dot is faster on the
 checkpoint's layout than on panels (1.5× at 128 rows, docs/cpu_rules.md).
@@ -42,7 +43,7 @@ from qcompile.ir.ops.quant import Dequantize
 from qcompile.ir.ops.moe import GroupedMatmul, GroupedMatmulPanels, GroupedMatmulSwiglu
 from qcompile.kernels import native
 from qcompile.kernels.grouped_matmul import panel_kernel
-from qcompile.kernels.linear import NATIVE_PANELS, NATIVE_PANELS_BF16, PANEL
+from qcompile.kernels.linear import NATIVE_PANELS, NATIVE_PANELS_BF16, NATIVE_PANELS_FP8, PANEL
 
 #: targets whose rules want linear weights in column panels
 PANEL_TARGETS = ("cpu",)
@@ -62,6 +63,11 @@ def _panel_weights(graph: Graph) -> dict[int, bool]:
         known = w.node in pure or isinstance(graph.node(w.node).op, Param)
         dtype_ok = (xt.dtype == wt.dtype == "f32"
                     or (xt.dtype == wt.dtype == "bf16" and native.ensure(NATIVE_PANELS_BF16)))
+        if _dequantized(graph, w):  # FP8 stays FP8: only where the FP8 panel kernel reads it
+            op = graph.node(w.node).op
+            known = _known_fp8(graph, w, pure)
+            dtype_ok = (xt.dtype == wt.dtype and wt.dtype in ("f32", "bf16") and isinstance(op, Dequantize)
+                        and len(op.block) == 2 and op.block[0] % PANEL == 0 and native.ensure(NATIVE_PANELS_FP8))
         if (known and dtype_ok and wt.sharding is None and xt.sharding is None
                 and isinstance(wt.shape[0], int) and wt.shape[0] % PANEL == 0 and isinstance(wt.shape[1], int)):
             chosen[node.id] = isinstance(node.op, LinearSwiglu)
@@ -82,11 +88,17 @@ def _dequantized(graph: Graph, value: Value) -> bool:
     return False
 
 
+def _known_fp8(graph: Graph, w: Value, pure: set[int]) -> bool:
+    """Whether the dequantize producing `w` reads values and a scale known at compile time."""
+    return all(v.node in pure or isinstance(graph.node(v.node).op, Param) for v in graph.node(w.node).operands)
+
+
 def _fp8_panels(graph: Graph, w: Value) -> bool:
     """Whether `w` is an FP8 expert weight the FP8 panel kernel can read in panels: dequantized to f32 directly
     (layout ops already sunk into its values and scale) with one scale across every 64 output columns."""
     op = graph.node(w.node).op
-    return isinstance(op, Dequantize) and op.dtype == "f32" and len(op.block) == 3 and op.block[2] % PANEL == 0
+    return (isinstance(op, Dequantize) and op.dtype in ("f32", "bf16") and len(op.block) == 3
+            and op.block[2] % PANEL == 0)
 
 
 def _panel_experts(graph: Graph) -> dict[int, bool]:
@@ -106,8 +118,7 @@ def _panel_experts(graph: Graph) -> dict[int, bool]:
         nout = wt.shape[2]
         if _dequantized(graph, w):  # FP8 stays FP8: only where the FP8 panel kernel reads it
             kernel = panel_kernel(wt.dtype, swiglu, fp8=True) if _fp8_panels(graph, w) else None
-            known = all(v.node in pure or isinstance(graph.node(v.node).op, Param)  # its values and scale
-                        for v in graph.node(w.node).operands)
+            known = _known_fp8(graph, w, pure)
         else:
             kernel = panel_kernel(wt.dtype, swiglu)
         if (known and kernel is not None and rt.dtype == wt.dtype and wt.sharding is None and rt.sharding is None

@@ -431,8 +431,10 @@ NATIVE_SWIGLU_PANELS_FP8 = "qcompile_grouped_matmul_swiglu_panels_fp8"
 def panel_kernel(dtype, swiglu: bool, fp8: bool = False) -> str | None:
     """The native entry point reading experts of `dtype` in panels (None: none for that dtype). bf16 experts go into
     panels only where the CPU has no AMX tiles: the AMX kernel, faster from 8 rows per expert, reads [E, K, Nout].
-    `fp8`: FP8 experts dequantized to `dtype` in the kernel (f32 only)."""
+    `fp8`: FP8 experts dequantized to `dtype` (f32 or bf16) in the kernel."""
     if fp8:
+        if dtype == "bf16":  # SwiGLU after the product's rounding to bf16, as the reference takes it
+            return NATIVE_PANELS_FP8
         return (NATIVE_SWIGLU_PANELS_FP8 if swiglu else NATIVE_PANELS_FP8) if dtype == "f32" else None
     if dtype == "f32":
         return NATIVE_SWIGLU_PANELS_F32 if swiglu else NATIVE_PANELS_F32
@@ -456,24 +458,29 @@ def grouped_matmul_panels_reference(rows, w, group_sizes, swiglu: bool):
 def grouped_matmul_panels_fp8_native(rows, w: QuantizedWeight, group_sizes, swiglu: bool):
     """The native kernel on FP8 panels: values [E, P, K, 64] with block scales [E, ceil(P/bp), ceil(K/bk), 1] (blocks
     of 1 x bp panels x bk rows x the whole panel width, what ir/fp8_layout.py makes of Qwen's 128 x 128 blocks), each
-    panel row dequantized in registers as it streams by (kernels/native/grouped_matmul_f32.cc). Call only after
-    `native.ensure` of the entry point returned True."""
+    panel row dequantized in registers as it streams by (kernels/native/grouped_matmul_f32.cc). f32: SwiGLU in the
+    kernel's epilogue. bf16 (the weight dequantized to bf16, bf16 rows): each weight rounded to bf16 in the kernel as
+    the reference's dequantize rounds it, the rows widened exactly, the f32 product rounded once to bf16, then SwiGLU's
+    halves as the reference takes them. Call only after `native.ensure` of the entry point returned True."""
     n, nout = rows.shape[0], w.shape[1] * w.shape[3]
-    width = nout // 2 if swiglu else nout
+    bf16 = w.dtype == jnp.bfloat16
+    fused = swiglu and not bf16
+    width = nout // 2 if fused else nout
     if n == 0:
-        return jnp.zeros((0, width), rows.dtype)
+        return jnp.zeros((0, nout // 2 if swiglu else nout), rows.dtype)
     w = unit_leading(w, 1)
     scale = w.scale.astype(jnp.float32).reshape(w.scale.shape[:3])
-    call = jax.ffi.ffi_call(NATIVE_SWIGLU_PANELS_FP8 if swiglu else NATIVE_PANELS_FP8,
+    call = jax.ffi.ffi_call(NATIVE_SWIGLU_PANELS_FP8 if fused else NATIVE_PANELS_FP8,
                             jax.ShapeDtypeStruct((n, width), jnp.float32))
-    return call(rows.astype(jnp.float32), w.values, scale, group_sizes.astype(jnp.int32),
-                block_p=w.block[1], block_k=w.block[2])
+    y = call(rows.astype(jnp.float32), w.values, scale, group_sizes.astype(jnp.int32),
+             block_p=w.block[1], block_k=w.block[2], bf16_weights=int(bf16)).astype(rows.dtype)
+    return swiglu_halves(y) if swiglu and bf16 else y
 
 
 def fp8_panels_fit(rows, w) -> bool:
-    """Whether `w` is a deferred FP8 weight in panels the FP8 panel kernel takes with these rows: f32 rows and
-    compute dtype, one scale across each panel's 64 columns."""
-    return (isinstance(w, QuantizedWeight) and rows.dtype == jnp.float32 and w.dtype == jnp.float32
+    """Whether `w` is a deferred FP8 weight in panels the FP8 panel kernel takes with these rows: rows in the weight's
+    compute dtype (f32 or bf16), one scale across each panel's 64 columns."""
+    return (isinstance(w, QuantizedWeight) and rows.dtype == w.dtype and w.dtype in (jnp.float32, jnp.bfloat16)
             and w.values.ndim == 4 and w.block[3] == w.shape[3] == PANEL)
 
 
@@ -506,7 +513,8 @@ def grouped_matmul_panels_native(rows, w, group_sizes, swiglu: bool):
 def grouped_matmul_panels_cpu(rows, w, group_sizes, swiglu: bool):
     """CPU rule of the panel op: the native kernel (the layout is chosen only where it can be built), else the
     unpacked weights through the [E, K, Nout] CPU rule."""
-    if fp8_panels_fit(rows, w) and native.ensure(panel_kernel("f32", swiglu, fp8=True)):
+    if fp8_panels_fit(rows, w) and native.ensure(panel_kernel("f32" if w.dtype == jnp.float32 else "bf16", swiglu,
+                                                              fp8=True)):
         return grouped_matmul_panels_fp8_native(rows, w, group_sizes, swiglu)
     if isinstance(w, QuantizedWeight):
         w = w.dequantize()

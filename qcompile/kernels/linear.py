@@ -42,6 +42,7 @@ NATIVE_PANELS = "qcompile_linear_panels_f32"
 NATIVE_PANELS_BF16 = "qcompile_linear_panels_bf16"  # bf16 panels, widened a k block at a time inside the kernel
 NATIVE_PANELS_BF16_PAIRS = "qcompile_linear_panels_bf16_pairs"  # bf16 activations and panels on VDPBF16PS (no AMX)
 NATIVE_PANELS_AMX = "qcompile_linear_panels_amx"  # bf16 activations and panels on AMX tiles (prefill-sized)
+NATIVE_PANELS_FP8 = "qcompile_linear_panels_fp8"  # FP8 panels dequantized a k block at a time inside the kernel
 AMX_MIN_ROWS = 6  # from here on a bf16 product goes to AMX where the CPU has it (docs/cpu_rules.md, "AMX thresholds")
 PANEL = 64  # output columns per panel of linear_panels' weight (the panel kernel's register tile width)
 
@@ -101,11 +102,39 @@ def linear_panels_xla(x, wp):
     return y.reshape(*x.shape[:-1], p * c).astype(x.dtype)
 
 
+def fp8_panels_fit(x, wp) -> bool:
+    """Whether `wp` is a deferred FP8 weight in panels [P, K, 64] the FP8 panel kernel takes with rows `x` in the
+    weight's compute dtype (f32 or bf16): one scale across each panel's 64 columns (blocks [bp, bk, 64])."""
+    return (isinstance(wp, QuantizedWeight) and x.dtype == wp.dtype and wp.dtype in (jnp.float32, jnp.bfloat16)
+            and wp.values.ndim == 3 and wp.shape[2] == PANEL and wp.block[2] == PANEL)
+
+
+def linear_panels_fp8_native(x, wp: QuantizedWeight):
+    """The native panel kernel on FP8 panels (values [P, K, 64], scale [ceil(P/bp), ceil(K/bk), 1]): each k block of
+    a panel dequantized into an L1-resident f32 block (for a bf16 weight each value rounded to bf16 as the reference's
+    dequantize rounds it; bf16 activations widened exactly, the f32 result rounded once); call only after
+    `native.ensure(NATIVE_PANELS_FP8)`."""
+    p, k, c = wp.shape
+    rows = math.prod(x.shape[:-1])
+    if rows == 0:
+        return jnp.zeros((*x.shape[:-1], p * c), x.dtype)
+    call = jax.ffi.ffi_call(NATIVE_PANELS_FP8, jax.ShapeDtypeStruct((rows, p * c), jnp.float32))
+    out = call(x.reshape(rows, k).astype(jnp.float32), wp.values,
+               wp.scale.astype(jnp.float32).reshape(wp.scale.shape[:2]), block_p=wp.block[0], block_k=wp.block[1],
+               bf16_weights=int(wp.dtype == jnp.bfloat16))
+    return out.reshape(*x.shape[:-1], p * c).astype(x.dtype)
+
+
 def linear_panels_cpu(x, wp):
     """The CPU rule of linear_panels: the native panel kernel at any row count — f32 panels, or a bf16 checkpoint's
     bf16 panels widened inside it (bf16 activations widened before, the f32 result rounded once after, as the
     reference's f32 accumulation is; from AMX_MIN_ROWS bf16 rows on, AMX tiles where the CPU has them; bf16
-    activations and panels on VDPBF16PS pairs where the CPU has AVX512_BF16, an even K) —, XLA's dot otherwise."""
+    activations and panels on VDPBF16PS pairs where the CPU has AVX512_BF16, an even K; FP8 panels dequantized a k
+    block at a time, for f32 or bf16 activations) —, XLA's dot otherwise."""
+    if isinstance(wp, QuantizedWeight):
+        if fp8_panels_fit(x, wp) and native.ensure(NATIVE_PANELS_FP8):
+            return linear_panels_fp8_native(x, wp)
+        wp = wp.dequantize()
     p, k, c = wp.shape
     rows = math.prod(x.shape[:-1])
     if (x.dtype == wp.dtype == jnp.bfloat16 and rows >= AMX_MIN_ROWS and k % 32 == 0 and c == PANEL

@@ -57,6 +57,7 @@ KERNELS = {
     "qcompile_linear_fp8": ("linear_f32.cc", "QcompileLinearFp8"),
     "qcompile_linear_panels_f32": ("linear_panels_f32.cc", "QcompileLinearPanelsF32"),
     "qcompile_linear_panels_bf16": ("linear_panels_f32.cc", "QcompileLinearPanelsBf16"),
+    "qcompile_linear_panels_fp8": ("linear_panels_f32.cc", "QcompileLinearPanelsFp8"),
     "qcompile_linear_panels_amx": ("amx_bf16.cc", "QcompileLinearPanelsAmx"),
     "qcompile_linear_panels_bf16_pairs": ("linear_panels_f32.cc", "QcompileLinearPanelsBf16Pairs"),
     "qcompile_grouped_matmul_amx": ("amx_bf16.cc", "QcompileGroupedMatmulAmx"),

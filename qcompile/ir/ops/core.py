@@ -208,9 +208,10 @@ def _linear_panels(op_, x, w):
     return swiglu_halves(y) if op_.swiglu else y
 
 
-@lowering(LinearPanels, "cpu")
+@lowering(LinearPanels, "cpu", takes_quantized=True)
 def _linear_panels_cpu(op_, x, w):
-    """The native panel kernel at every row count (kernels/linear.py), then linear_swiglu's halves if asked."""
+    """The native panel kernel at every row count (kernels/linear.py; FP8 panels as they are), then linear_swiglu's
+    halves if asked."""
     y = linear_panels_cpu(x, w)
     return swiglu_halves(y) if op_.swiglu else y
 

@@ -98,16 +98,29 @@ inline void dequant_row(const uint8_t* src, const float* scale, int64_t block, i
 // VCVTPH2PS, then multiplied by scale · 2^8: the product of two exact factors, rounded once — the reference's value.
 // Five vector instructions per 16 weights instead of dequant16's fifteen. S.1111.111 (NaN) would come out finite
 // this way, so a row holding one takes dequant16's route (one compare per row).
+// With `bf16` each value is then rounded to bf16 (to nearest even, kept in f32 lanes): the dequantize of a bf16 graph,
+// whose reference rounds W8 · S once to bf16.
 struct Fp8RowScale {
   float scale, scaled;  // the block's scale, and scale · 2^8 (not finite: the row takes the portable route)
-  explicit Fp8RowScale(float s) : scale(s), scaled(s * 256.0f) {}
+  bool bf16;
+  explicit Fp8RowScale(float s, bool to_bf16 = false) : scale(s), scaled(s * 256.0f), bf16(to_bf16) {}
 };
+
+// f32 lanes rounded to the nearest bf16 (ties to even), as f32: the bit trick of an f32 -> bf16 conversion (NaN stays
+// NaN, overflow goes to infinity) without leaving f32.
+inline f32x16 round_bf16(f32x16 v) {
+  u32x16 bits;
+  std::memcpy(&bits, &v, sizeof(bits));
+  bits = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
+  std::memcpy(&v, &bits, sizeof(bits));
+  return v;
+}
 
 inline void dequant64_portable(const uint8_t* src, float s, float* dst) {
   for (int i = 0; i < 64; i += 16) dequant16(src + i, s, dst + i);
 }
 
-// dst[0:4] (16 lanes each) = value(src[0:64]) · s.
+// dst[0:4] (16 lanes each) = value(src[0:64]) · s (rounded to bf16 when s.bf16).
 inline void dequant64(const uint8_t* src, const Fp8RowScale& s, f32x16 dst[4]) {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
   const __m512i bytes = _mm512_loadu_si512(src);
@@ -123,12 +136,15 @@ inline void dequant64(const uint8_t* src, const Fp8RowScale& s, f32x16 dst[4]) {
     dst[1] = (f32x16)_mm512_mul_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(lo, 1)), sv);
     dst[2] = (f32x16)_mm512_mul_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(hi)), sv);
     dst[3] = (f32x16)_mm512_mul_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(hi, 1)), sv);
-    return;
-  }
+  } else
 #endif
-  float buf[64];
-  dequant64_portable(src, s.scale, buf);
-  for (int v = 0; v < 4; ++v) std::memcpy(&dst[v], buf + 16 * v, 64);
+  {
+    float buf[64];
+    dequant64_portable(src, s.scale, buf);
+    for (int v = 0; v < 4; ++v) std::memcpy(&dst[v], buf + 16 * v, 64);
+  }
+  if (s.bf16)
+    for (int v = 0; v < 4; ++v) dst[v] = round_bf16(dst[v]);
 }
 
 }  // namespace qcompile_native

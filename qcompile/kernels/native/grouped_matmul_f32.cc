@@ -153,6 +153,7 @@ struct Job {
   bool panels = false;            // w is [E, Nout/64, K, 64] (f32 or bf16)
   const uint16_t* x16 = nullptr;  // bf16 rows (x null), with bf16 panels: the VDPBF16PS tiles (bf16_pairs.h)
   int64_t bk = 1, bn = 1, kblocks = 1, nblocks = 1;
+  bool bf16_weights = false;  // FP8 panels: each dequantized weight rounded to bf16 (a bf16 graph's dequantize)
 };
 
 // Rows [k0, k0 + kc) of expert e's FP8 weights, dequantized into buf ([kc, Nout]).
@@ -168,13 +169,13 @@ void dequant_slab(const Job& j, int64_t e, int64_t k0, int64_t kc, float* buf) {
 // scale[k / bk]: each row dequantized in registers (fp8.h dequant64) and multiplied as the f32 tile multiplies, so the
 // result equals the f32 panel kernel's on the dequantized panel bit for bit.
 template <int MR>
-void tile_fp8(const float* x, int64_t ldx, const uint8_t* w, const float* scale, int64_t bk, int64_t k, float* out,
-              int64_t ldo) {
+void tile_fp8(const float* x, int64_t ldx, const uint8_t* w, const float* scale, int64_t bk, int64_t k, bool bf16,
+              float* out, int64_t ldo) {
   v16 acc[MR][kNv];
   for (int m = 0; m < MR; ++m)
     for (int v = 0; v < kNv; ++v) acc[m][v] = v16{};
   for (int64_t k0 = 0; k0 < k; k0 += bk) {
-    const qcompile_native::Fp8RowScale s(scale[k0 / bk]);
+    const qcompile_native::Fp8RowScale s(scale[k0 / bk], bf16);
     const int64_t k1 = std::min(k, k0 + bk);
     for (int64_t kk = k0; kk < k1; ++kk) {
       const uint8_t* wr = w + kk * kNr;
@@ -192,21 +193,22 @@ void tile_fp8(const float* x, int64_t ldx, const uint8_t* w, const float* scale,
 }
 
 void tile_fp8_rows(const float* x, int64_t ldx, int rows, const uint8_t* w, const float* scale, int64_t bk, int64_t k,
-                   float* out, int64_t ldo) {
+                   bool bf16, float* out, int64_t ldo) {
   switch (rows) {
-    case 1: tile_fp8<1>(x, ldx, w, scale, bk, k, out, ldo); break;
-    case 2: tile_fp8<2>(x, ldx, w, scale, bk, k, out, ldo); break;
-    case 3: tile_fp8<3>(x, ldx, w, scale, bk, k, out, ldo); break;
-    case 4: tile_fp8<4>(x, ldx, w, scale, bk, k, out, ldo); break;
-    case 5: tile_fp8<5>(x, ldx, w, scale, bk, k, out, ldo); break;
-    default: tile_fp8<kMr>(x, ldx, w, scale, bk, k, out, ldo); break;
+    case 1: tile_fp8<1>(x, ldx, w, scale, bk, k, bf16, out, ldo); break;
+    case 2: tile_fp8<2>(x, ldx, w, scale, bk, k, bf16, out, ldo); break;
+    case 3: tile_fp8<3>(x, ldx, w, scale, bk, k, bf16, out, ldo); break;
+    case 4: tile_fp8<4>(x, ldx, w, scale, bk, k, bf16, out, ldo); break;
+    case 5: tile_fp8<5>(x, ldx, w, scale, bk, k, bf16, out, ldo); break;
+    default: tile_fp8<kMr>(x, ldx, w, scale, bk, k, bf16, out, ldo); break;
   }
 }
 
-// An FP8 panel (K rows of 64 bytes, block scales scale[k / bk]) dequantized into dst ([K, 64] f32).
-void dequant_panel(const uint8_t* w, const float* scale, int64_t bk, int64_t k, float* dst) {
+// An FP8 panel (K rows of 64 bytes, block scales scale[k / bk]) dequantized into dst ([K, 64] f32; bf16 values when
+// bf16).
+void dequant_panel(const uint8_t* w, const float* scale, int64_t bk, int64_t k, bool bf16, float* dst) {
   for (int64_t k0 = 0; k0 < k; k0 += bk) {
-    const qcompile_native::Fp8RowScale s(scale[k0 / bk]);
+    const qcompile_native::Fp8RowScale s(scale[k0 / bk], bf16);
     for (int64_t kk = k0; kk < std::min(k, k0 + bk); ++kk) {
       v16 b[kNv];
       qcompile_native::dequant64(w + kk * kNr, s, b);
@@ -242,7 +244,7 @@ void panel_product(const Job& j, const Item& it, float* out, int64_t ldo) {
       const float* sp = j.scale + (it.expert * j.nblocks + p / j.bn) * j.kblocks;  // this panel's scales along K
       if (it.rows > kMr) {
         widened.resize(static_cast<size_t>(panel));
-        dequant_panel(j.w8 + at, sp, j.bk, j.k, widened.data());
+        dequant_panel(j.w8 + at, sp, j.bk, j.k, j.bf16_weights, widened.data());
       }
       for (int64_t r = 0; r < it.rows; r += kMr) {
         const int rows = static_cast<int>(std::min<int64_t>(kMr, it.rows - r));
@@ -251,7 +253,7 @@ void panel_product(const Job& j, const Item& it, float* out, int64_t ldo) {
         if (it.rows > kMr)
           tile_rows<kNv, float>(x, j.k, rows, widened.data(), kNr, j.k, o, ldo, false);
         else
-          tile_fp8_rows(x, j.k, rows, j.w8 + at, sp, j.bk, j.k, o, ldo);
+          tile_fp8_rows(x, j.k, rows, j.w8 + at, sp, j.bk, j.k, j.bf16_weights, o, ldo);
       }
       continue;
     }
@@ -435,7 +437,7 @@ ffi::Error RunFp8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> rows, ffi::AnyBuff
 // when asked, as the f32 panel kernel).
 ffi::Error RunPanelsFp8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> rows, ffi::AnyBuffer w, ffi::Buffer<ffi::F32> scale,
                         ffi::Buffer<ffi::S32> group_sizes, ffi::ResultBuffer<ffi::F32> out, int64_t bp, int64_t bk,
-                        bool swiglu) {
+                        int64_t bf16_weights, bool swiglu) {
   const auto rd = rows.dimensions();
   const auto wd = w.dimensions();
   const auto sd = scale.dimensions();
@@ -455,6 +457,7 @@ ffi::Error RunPanelsFp8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> rows, ffi::A
   job->bk = bk;
   job->nblocks = sd[1];
   job->kblocks = sd[2];
+  job->bf16_weights = bf16_weights != 0;
   job->out = out->typed_data();
   job->k = rd[1];
   job->nout = wd[1] * kNr;
@@ -465,14 +468,15 @@ ffi::Error RunPanelsFp8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> rows, ffi::A
 
 ffi::Error GroupedMatmulPanelsFp8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> rows, ffi::AnyBuffer w,
                                   ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::S32> group_sizes,
-                                  ffi::ResultBuffer<ffi::F32> out, int64_t bp, int64_t bk) {
-  return RunPanelsFp8(pool, rows, w, scale, group_sizes, out, bp, bk, false);
+                                  ffi::ResultBuffer<ffi::F32> out, int64_t bp, int64_t bk, int64_t bf16_weights) {
+  return RunPanelsFp8(pool, rows, w, scale, group_sizes, out, bp, bk, bf16_weights, false);
 }
 
 ffi::Error GroupedMatmulSwigluPanelsFp8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> rows, ffi::AnyBuffer w,
                                         ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::S32> group_sizes,
-                                        ffi::ResultBuffer<ffi::F32> out, int64_t bp, int64_t bk) {
-  return RunPanelsFp8(pool, rows, w, scale, group_sizes, out, bp, bk, true);
+                                        ffi::ResultBuffer<ffi::F32> out, int64_t bp, int64_t bk,
+                                        int64_t bf16_weights) {
+  return RunPanelsFp8(pool, rows, w, scale, group_sizes, out, bp, bk, bf16_weights, true);
 }
 
 ffi::Error GroupedMatmulBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> rows, ffi::AnyBuffer w,
@@ -606,7 +610,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(QcompileGroupedMatmulPanelsBf16Pairs, GroupedMatmu
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QcompileGroupedMatmulFp8, GroupedMatmulFp8, QCOMPILE_GROUPED_MATMUL_FP8_BINDING);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QcompileGroupedMatmulSwigluFp8, GroupedMatmulSwigluFp8,
                               QCOMPILE_GROUPED_MATMUL_FP8_BINDING);
-// rows[N,K] f32, w[E,P,K,64] e4m3fn panels, scale[E,PB,KB] f32, group_sizes[E]; attrs block_p, block_k -> out.
+// rows[N,K] f32, w[E,P,K,64] e4m3fn panels, scale[E,PB,KB] f32, group_sizes[E]; attrs block_p, block_k,
+// bf16_weights (nonzero: each weight rounded to bf16 once dequantized) -> out.
 #define QCOMPILE_GROUPED_MATMUL_PANELS_FP8_BINDING     \
   ffi::Ffi::Bind()                                    \
       .Ctx<ffi::ThreadPool>()                         \
@@ -616,7 +621,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(QcompileGroupedMatmulSwigluFp8, GroupedMatmulSwigl
       .Arg<ffi::Buffer<ffi::S32>>()                   \
       .Ret<ffi::Buffer<ffi::F32>>()                   \
       .Attr<int64_t>("block_p")                       \
-      .Attr<int64_t>("block_k")
+      .Attr<int64_t>("block_k")                       \
+      .Attr<int64_t>("bf16_weights")
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QcompileGroupedMatmulPanelsFp8, GroupedMatmulPanelsFp8,
                               QCOMPILE_GROUPED_MATMUL_PANELS_FP8_BINDING);

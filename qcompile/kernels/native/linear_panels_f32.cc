@@ -24,6 +24,10 @@
 // per-thread f32 block (8 KiB read, 16 KiB in L1) that the same tiles then read, so memory moves two bytes per weight
 // and no f32 copy of the weight exists; an item of one row tile (decode) widens the panel in registers instead. x and
 // out stay f32 (the rule widens and rounds the activations).
+// FP8 panels (the ...Fp8 entry point, an FP8 checkpoint's weights computed in f32: e4m3 values [P, K, 64] with f32
+// block scales [ceil(P/bp), ceil(K/bk)]): each k block of a panel is dequantized into the same per-thread f32 block
+// (fp8.h dequant64: one cache line of FP8 a panel row, converted in registers), so memory moves one byte per weight
+// and the tiles, reading the same values in the same order, give the f32 kernel's result on the dequantized panels.
 // bf16 activations and panels on a CPU with AVX512_BF16 (the ...Bf16Pairs entry point, an even K): VDPBF16PS tiles
 // (bf16_pairs.h), the weights read in place at every row count.
 
@@ -34,6 +38,7 @@
 
 #include "bf16.h"
 #include "bf16_pairs.h"
+#include "fp8.h"
 #include "parallel_items.h"
 #include "vec16.h"
 #include "xla/ffi/api/ffi.h"
@@ -108,24 +113,44 @@ struct Job {
   qcompile_native::PanelItems split;  // item i: a run of panels against a chunk of kRowChunk input rows
   const uint16_t* w16 = nullptr;  // bf16 panels instead of w
   const uint16_t* x16 = nullptr;  // bf16 activations (with bf16 panels: the VDPBF16PS tiles)
+  const uint8_t* w8 = nullptr;    // FP8 panels instead of w, with scale[ceil(P/bp), kblocks] in blocks of bp x bk
+  const float* scale = nullptr;
+  int64_t bp = 1, bk = 1, kblocks = 1;
+  bool bf16_weights = false;  // each dequantized weight rounded to bf16 (a bf16 graph's dequantize)
 };
+
+// Rows kb..ke-1 of FP8 panel p, dequantized into dst ([ke - kb, 64] f32).
+void dequant_block(const Job& j, int64_t p, int64_t kb, int64_t ke, float* dst) {
+  const float* sp = j.scale + (p / j.bp) * j.kblocks;
+  for (int64_t k = kb; k < ke; ++k) {
+    v16 row[kNv];
+    qcompile_native::dequant64(j.w8 + (p * j.k + k) * kPanel,
+                               qcompile_native::Fp8RowScale(sp[k / j.bk], j.bf16_weights), row);
+    for (int v = 0; v < kNv; ++v) store(dst + (k - kb) * kPanel + 16 * v, row[v]);
+  }
+}
 
 void run_item(const Job& j, int64_t i) {
   int64_t p0, p1, r0, r1;
   j.split.bounds(i, p0, p1, r0, r1);
   // Row tiles of near-equal size (32 rows: 6,6,5,5,5,5): a short tile reads the panel as often as a full one.
   const int64_t tiles = (r1 - r0 + kMr - 1) / kMr;
-  const int64_t elem = j.w16 != nullptr ? 2 : 4;  // bytes per weight
-  const char* base = j.w16 != nullptr ? reinterpret_cast<const char*>(j.w16) : reinterpret_cast<const char*>(j.w);
+  const int64_t elem = j.w8 != nullptr ? 1 : j.w16 != nullptr ? 2 : 4;  // bytes per weight
+  const char* base = j.w8 != nullptr    ? reinterpret_cast<const char*>(j.w8)
+                     : j.w16 != nullptr ? reinterpret_cast<const char*>(j.w16)
+                                        : reinterpret_cast<const char*>(j.w);
   const int64_t n = j.panels * kPanel, run_end = p1 * j.k * kPanel * elem;  // bytes of the item's panels
-  thread_local std::vector<float> widened;  // bf16: the k block of the panel, in f32
-  if (j.w16 != nullptr) widened.resize(kKc * kPanel);
+  thread_local std::vector<float> widened;  // bf16 or FP8: the k block of the panel, in f32
+  if (j.w16 != nullptr || j.w8 != nullptr) widened.resize(kKc * kPanel);
   for (int64_t p = p0; p < p1; ++p) {
     for (int64_t kb = 0; kb < j.k; kb += kKc) {
       const int64_t ke = std::min(j.k, kb + kKc);
-      const float* block = j.w + (p * j.k + kb) * kPanel;
+      const float* block = j.w != nullptr ? j.w + (p * j.k + kb) * kPanel : nullptr;
       const uint16_t* block16 = nullptr;  // bf16 read in place by a single row tile (or by the pair tiles)
-      if (j.w16 != nullptr && (r1 - r0 <= kMr || j.x16 != nullptr)) {
+      if (j.w8 != nullptr) {
+        dequant_block(j, p, kb, ke, widened.data());
+        block = widened.data();
+      } else if (j.w16 != nullptr && (r1 - r0 <= kMr || j.x16 != nullptr)) {
         block16 = j.w16 + (p * j.k + kb) * kPanel;
       } else if (j.w16 != nullptr) {
         qcompile_native::widen(j.w16 + (p * j.k + kb) * kPanel, widened.data(), (ke - kb) * kPanel);
@@ -200,6 +225,28 @@ ffi::Error LinearPanelsBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
   return Run(pool, x, w, out);
 }
 
+// x[T,K] f32, w[P,K,64] e4m3fn panels, scale[ceil(P/block_p), ceil(K/block_k)] f32 -> out f32.
+ffi::Error LinearPanelsFp8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::Buffer<ffi::F32> scale,
+                           ffi::ResultBuffer<ffi::F32> out, int64_t bp, int64_t bk, int64_t bf16_weights) {
+  const auto xd = x.dimensions();
+  const auto wd = w.dimensions();
+  const auto sd = scale.dimensions();
+  if (w.element_type() != ffi::DataType::F8E4M3FN || xd.size() != 2 || wd.size() != 3 || wd[1] != xd[1] ||
+      wd[2] != kPanel || bp < 1 || bk < 1 || sd.size() != 2 || sd[0] != (wd[0] + bp - 1) / bp ||
+      sd[1] != (wd[1] + bk - 1) / bk)
+    return ffi::Error::InvalidArgument("qcompile linear_panels fp8: expected x[T,K] f32, w[P,K,64] e4m3fn, "
+                                       "scale[ceil(P/block_p),ceil(K/block_k)] f32");
+  Job job{x.typed_data(), nullptr, out->typed_data(), xd[0], xd[1], wd[0],
+          qcompile_native::PanelItems(xd[0], wd[0], kRowChunk, pool.num_threads(), kItemsPerThread)};
+  job.w8 = static_cast<const uint8_t*>(w.untyped_data());
+  job.scale = scale.typed_data();
+  job.bp = bp;
+  job.bk = bk;
+  job.kblocks = sd[1];
+  job.bf16_weights = bf16_weights != 0;
+  return Execute(pool, job);
+}
+
 // x[T,K] bf16, w[P,K,64] bf16, K even -> out f32 on VDPBF16PS; an error on a CPU without AVX512_BF16 (the rule
 // asks native.avx512_bf16() first).
 ffi::Error LinearPanelsBf16Pairs(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
@@ -237,3 +284,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(QcompileLinearPanelsBf16Pairs, LinearPanelsBf16Pai
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QcompileLinearPanelsF32, LinearPanelsF32, QCOMPILE_LINEAR_PANELS_BINDING);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QcompileLinearPanelsBf16, LinearPanelsBf16, QCOMPILE_LINEAR_PANELS_BINDING);
+// x[T,K] f32, w[P,K,64] e4m3fn, scale[PB,KB] f32; attrs block_p, block_k, bf16_weights -> out[T,P*64] f32
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QcompileLinearPanelsFp8, LinearPanelsFp8,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("block_p")
+                                  .Attr<int64_t>("block_k")
+                                  .Attr<int64_t>("bf16_weights"));
