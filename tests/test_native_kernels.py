@@ -127,7 +127,7 @@ def test_fp8_panels_equal_the_f32_panel_kernel_on_the_dequantized_weights(swiglu
     unevenly, groups of 0-75 rows, padding rows; a NaN code poisons exactly its column of its expert's rows; a scale
     whose · 2^8 overflows takes the portable route and still equals; and against the float64 oracle. For a bf16 graph
     (each weight rounded to bf16 in the kernel) the f32 products equal the bf16 panel kernel's on the bf16
-    dequantize, bit for bit."""
+    dequantize, bit for bit, and with bf16 rows (the panel as bf16 pairs on VDPBF16PS) the bf16 pair kernel's."""
     import ml_dtypes
 
     from qcompile.kernels.fp8 import QuantizedWeight
@@ -167,6 +167,14 @@ def test_fp8_panels_equal_the_f32_panel_kernel_on_the_dequantized_weights(swiglu
             ref16 = jax.ffi.ffi_call(gm.NATIVE_PANELS_BF16, jax.ShapeDtypeStruct((rows.shape[0], 64 * p), jnp.float32))(
                 rows, w16, gs)
             np.testing.assert_array_equal(np.asarray(raw), np.asarray(ref16), err_msg=f"bf16 case {case}")
+            if native.avx512_bf16() and k % 2 == 0:  # bf16 rows: the panel as bf16 pairs = the bf16 pair kernel's
+                rows16 = rows.astype(jnp.bfloat16)
+                raw = jax.ffi.ffi_call(gm.NATIVE_PANELS_FP8, jax.ShapeDtypeStruct((rows.shape[0], 64 * p),
+                                                                                jnp.float32))(
+                    rows16, values, jnp.asarray(scale[..., 0]), gs, block_p=bp, block_k=bk, bf16_weights=1)
+                ref16 = jax.ffi.ffi_call(gm.NATIVE_PANELS_BF16_PAIRS, jax.ShapeDtypeStruct((rows.shape[0], 64 * p),
+                                                                                         jnp.float32))(rows16, w16, gs)
+                np.testing.assert_array_equal(np.asarray(raw), np.asarray(ref16), err_msg=f"pairs case {case}")
         _, total = oracle(rows, np.zeros((e, k, 1)), gs)
         assert not got[total:].any(), f"case {case}: padding rows must be 0"
         if case == 1:
@@ -188,7 +196,8 @@ def test_linear_fp8_panels_equal_the_f32_panel_kernel_on_the_dequantized_weights
     dequantized into an f32 block: equal bit for bit to the f32 panel kernel on the dequantized panels at 1-130 rows
     (row tiles, row chunks past 48), K across the kernel's 64-row k blocks with tails, scale blocks of 1-3 panels and
     1-128 rows cut unevenly, every FP8 code but NaN; a NaN code poisons its column only; and the float64 oracle.
-    bf16 (each weight rounded to bf16 in the kernel): equal to the bf16 panel kernel on the bf16 dequantize."""
+    bf16 (each weight rounded to bf16 in the kernel): equal to the bf16 panel kernel on the bf16 dequantize, and with
+    bf16 activations (the block as bf16 pairs on VDPBF16PS) to the bf16 pair kernel."""
     import ml_dtypes
 
     from qcompile.kernels.fp8 import QuantizedWeight
@@ -216,6 +225,13 @@ def test_linear_fp8_panels_equal_the_f32_panel_kernel_on_the_dequantized_weights
         w16 = QuantizedWeight(weight.values, weight.scale, weight.block, jnp.bfloat16).dequantize()
         ref16 = jax.ffi.ffi_call(lin.NATIVE_PANELS_BF16, jax.ShapeDtypeStruct((t, 64 * p), jnp.float32))(x, w16)
         np.testing.assert_array_equal(np.asarray(raw), np.asarray(ref16), err_msg=f"bf16 x {x.shape}")
+        if native.avx512_bf16() and k % 2 == 0:  # bf16 x: the block as bf16 pairs = the bf16 pair kernel's
+            x16 = x.astype(jnp.bfloat16)
+            raw = jax.ffi.ffi_call(lin.NATIVE_PANELS_FP8, jax.ShapeDtypeStruct((t, 64 * p), jnp.float32))(
+                x16, weight.values, jnp.asarray(scale[..., 0]), block_p=bp, block_k=bk, bf16_weights=1)
+            ref16 = jax.ffi.ffi_call(lin.NATIVE_PANELS_BF16_PAIRS, jax.ShapeDtypeStruct((t, 64 * p), jnp.float32))(
+                x16, w16)
+            np.testing.assert_array_equal(np.asarray(raw), np.asarray(ref16), err_msg=f"pairs x {x.shape}")
         if case == 1:
             assert set(np.nonzero(np.isnan(got))[1].tolist()) == {64 + 9}
             continue

@@ -296,7 +296,7 @@ def test_folded_cpu_graph_streams_expert_panels_and_computes_the_same_logits(tmp
     from qcompile.frontend.tiny import full_config, write_checkpoint
     from qcompile.ir.ops.moe import GroupedMatmul, GroupedMatmulPanels
     from qcompile.passes.base import PassContext
-    from qcompile.passes.equivalence import EquivalenceChecker, outputs_by_item, run_graph
+    from qcompile.passes.equivalence import EquivalenceChecker
     from qcompile.passes.manager import run_pipeline
     from qcompile.passes.registry import parse_spec
 
@@ -317,12 +317,24 @@ def test_folded_cpu_graph_streams_expert_panels_and_computes_the_same_logits(tmp
         for node in folded.find(GroupedMatmulPanels):
             w = folded.node(node.operands[1].node).op
             assert isinstance(w, Param) and w.name in prepared_names(folded) and w.type.shape[3] == 64
-        prepared = load_params(checkpoint, folded, progress=False, loaded=raw)
-        got = outputs_by_item(checker.comparable(folded, run_graph(folded, prepared, checker.caches, checker.batch,
-                                                                   "cpu")), checker.rows)
-        for key in want:
-            scale = max(float(np.abs(want[key]).max()), 1e-30)
-            assert np.abs(np.asarray(got[key], np.float64) - want[key]).max() / scale < 1e-5, key
+        _assert_same_outputs(checker, checkpoint, raw, folded, want)
+
+
+def _folded_outputs(checker, checkpoint, raw, folded) -> dict:
+    """The folded cpu build's outputs on the checker's batch, comparable with the checker's reference outputs."""
+    from qcompile.passes.equivalence import outputs_by_item, run_graph
+
+    prepared = load_params(checkpoint, folded, progress=False, loaded=raw)
+    return outputs_by_item(checker.comparable(folded, run_graph(folded, prepared, checker.caches, checker.batch,
+                                                                "cpu")), checker.rows)
+
+
+def _assert_same_outputs(checker, checkpoint, raw, folded, want) -> None:
+    """Every output of the folded cpu build within 1e-5 (relative to its largest magnitude) of `want` (f32)."""
+    got = _folded_outputs(checker, checkpoint, raw, folded)
+    for key in want:
+        scale = max(float(np.abs(want[key]).max()), 1e-30)
+        assert np.abs(np.asarray(got[key], np.float64) - want[key]).max() / scale < 1e-5, key
 
 
 def test_expert_panel_weights_stream_in_slabs_of_experts(tmp_path):
@@ -357,26 +369,34 @@ def param_types_of(graph):
     return param_types(graph)
 
 
+def _fp8_tiny(tmp_path):
+    """A two-layer FP8 tiny checkpoint (Qwen's 128 x 128 blocks) with moe_intermediate_size 128: gate and up split out
+    of the stored gate_up_proj on a block edge, so their blocks stay 128 columns wide (two panels)."""
+    import copy
+
+    from qcompile.frontend.tiny import full_config, write_checkpoint
+
+    config = copy.deepcopy(full_config("tiny", "qwen3_5_moe", "fp8"))
+    config["text_config"].update(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
+                                 moe_intermediate_size=128)
+    return Checkpoint.open(write_checkpoint(tmp_path / "m", config, seed=7))
+
+
 def test_fp8_experts_stay_fp8_in_panels_and_compute_the_same_logits(tmp_path):
     """An FP8 checkpoint (Qwen's 128 x 128 blocks) with moe_intermediate_size 128, computed in f32: the routed experts
     become grouped_matmul_panels over FP8 panels — prepared values f8e4m3[E, P, K, 64] and their scale, dequantized
     in the step (the kernel reads one byte a weight), the 128-column blocks split into pairs of panels — unfused and
     swiglu-fused; so do the dense FP8 projections (linear_panels over FP8 [P, K, 64]); the folded cpu build's logits
     match the unoptimized graph's reference rules."""
-    import copy
 
-    from qcompile.frontend.tiny import full_config, write_checkpoint
     from qcompile.ir.ops.moe import GroupedMatmulPanels
     from qcompile.ir.ops.quant import Dequantize
     from qcompile.passes.base import PassContext
-    from qcompile.passes.equivalence import EquivalenceChecker, outputs_by_item, run_graph
+    from qcompile.passes.equivalence import EquivalenceChecker
     from qcompile.passes.manager import run_pipeline
     from qcompile.passes.registry import parse_spec
 
-    config = copy.deepcopy(full_config("tiny", "qwen3_5_moe", "fp8"))
-    text = config["text_config"]
-    text.update(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"], moe_intermediate_size=128)
-    checkpoint = Checkpoint.open(write_checkpoint(tmp_path / "m", config, seed=7))
+    checkpoint = _fp8_tiny(tmp_path)
     graph = build_graph(checkpoint, "f32")
     raw = load_params(checkpoint, graph, progress=False)
     checker = EquivalenceChecker(graph, raw)
@@ -398,12 +418,7 @@ def test_fp8_experts_stay_fp8_in_panels_and_compute_the_same_logits(tmp_path):
         assert len(fp8_linears) >= 4 and not [n for n in folded.find(Linear)
                                               if isinstance(folded.node(n.operands[1].node).op, Dequantize)
                                               and folded.type_of(n.results[0]).shape[-1] % 64 == 0]
-        prepared = load_params(checkpoint, folded, progress=False, loaded=raw)
-        got = outputs_by_item(checker.comparable(folded, run_graph(folded, prepared, checker.caches, checker.batch,
-                                                                   "cpu")), checker.rows)
-        for key in want:
-            scale = max(float(np.abs(want[key]).max()), 1e-30)
-            assert np.abs(np.asarray(got[key], np.float64) - want[key]).max() / scale < 1e-5, key
+        _assert_same_outputs(checker, checkpoint, raw, folded, want)
 
 
 def test_fp8_panels_in_a_bf16_graph(tmp_path):
@@ -411,17 +426,12 @@ def test_fp8_panels_in_a_bf16_graph(tmp_path):
     projections read FP8 panels (each weight rounded to bf16 in the kernel, as the reference's dequantize rounds it),
     and the folded cpu build passes the bf16 check against the reference rules (the class bound, widened to 3 x the
     unoptimized graph's own rounding noise as every bf16 check is)."""
-    import copy
 
-    from qcompile.frontend.tiny import full_config, write_checkpoint
     from qcompile.ir.ops.moe import GroupedMatmulPanels
     from qcompile.ir.ops.quant import Dequantize
-    from qcompile.passes.equivalence import EquivalenceChecker, compare, outputs_by_item, run_graph
+    from qcompile.passes.equivalence import EquivalenceChecker, compare
 
-    config = copy.deepcopy(full_config("tiny", "qwen3_5_moe", "fp8"))
-    config["text_config"].update(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
-                                 moe_intermediate_size=128)
-    checkpoint = Checkpoint.open(write_checkpoint(tmp_path / "m", config, seed=7))
+    checkpoint = _fp8_tiny(tmp_path)
     graph = build_graph(checkpoint)
     assert graph.meta["dtype"] == "bf16"
     raw = load_params(checkpoint, graph, progress=False)
@@ -431,8 +441,6 @@ def test_fp8_panels_in_a_bf16_graph(tmp_path):
     fp8_reads = [n for n in (*folded.find(GroupedMatmulPanels), *folded.find(LinearPanels))
                  if isinstance(folded.node(n.operands[1].node).op, Dequantize)]
     assert len(folded.find(GroupedMatmulPanels)) == 4 and len(fp8_reads) >= 8
-    prepared = load_params(checkpoint, folded, progress=False, loaded=raw)
-    got = outputs_by_item(checker.comparable(folded, run_graph(folded, prepared, checker.caches, checker.batch,
-                                                               "cpu")), checker.rows)
-    result = compare(checker.reference_outputs, got, 3e-2, noise=checker.noise)
+    result = compare(checker.reference_outputs, _folded_outputs(checker, checkpoint, raw, folded), 3e-2,
+                     noise=checker.noise)
     assert result.ok, result.reason

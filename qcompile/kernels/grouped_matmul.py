@@ -460,8 +460,9 @@ def grouped_matmul_panels_fp8_native(rows, w: QuantizedWeight, group_sizes, swig
     of 1 x bp panels x bk rows x the whole panel width, what ir/fp8_layout.py makes of Qwen's 128 x 128 blocks), each
     panel row dequantized in registers as it streams by (kernels/native/grouped_matmul_f32.cc). f32: SwiGLU in the
     kernel's epilogue. bf16 (the weight dequantized to bf16, bf16 rows): each weight rounded to bf16 in the kernel as
-    the reference's dequantize rounds it, the rows widened exactly, the f32 product rounded once to bf16, then SwiGLU's
-    halves as the reference takes them. Call only after `native.ensure` of the entry point returned True."""
+    the reference's dequantize rounds it — a panel at a time into bf16 pairs on VDPBF16PS where the CPU has
+    AVX512_BF16 (K even), else the rows widened exactly —, the f32 product rounded once to bf16, then SwiGLU's halves
+    as the reference takes them. Call only after `native.ensure` of the entry point returned True."""
     n, nout = rows.shape[0], w.shape[1] * w.shape[3]
     bf16 = w.dtype == jnp.bfloat16
     fused = swiglu and not bf16
@@ -472,7 +473,8 @@ def grouped_matmul_panels_fp8_native(rows, w: QuantizedWeight, group_sizes, swig
     scale = w.scale.astype(jnp.float32).reshape(w.scale.shape[:3])
     call = jax.ffi.ffi_call(NATIVE_SWIGLU_PANELS_FP8 if fused else NATIVE_PANELS_FP8,
                             jax.ShapeDtypeStruct((n, width), jnp.float32))
-    y = call(rows.astype(jnp.float32), w.values, scale, group_sizes.astype(jnp.int32),
+    pairs = bf16 and rows.shape[1] % 2 == 0 and native.avx512_bf16()  # bf16 rows on VDPBF16PS, as they are
+    y = call(rows if pairs else rows.astype(jnp.float32), w.values, scale, group_sizes.astype(jnp.int32),
              block_p=w.block[1], block_k=w.block[2], bf16_weights=int(bf16)).astype(rows.dtype)
     return swiglu_halves(y) if swiglu and bf16 else y
 

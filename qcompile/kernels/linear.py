@@ -112,14 +112,16 @@ def fp8_panels_fit(x, wp) -> bool:
 def linear_panels_fp8_native(x, wp: QuantizedWeight):
     """The native panel kernel on FP8 panels (values [P, K, 64], scale [ceil(P/bp), ceil(K/bk), 1]): each k block of
     a panel dequantized into an L1-resident f32 block (for a bf16 weight each value rounded to bf16 as the reference's
-    dequantize rounds it; bf16 activations widened exactly, the f32 result rounded once); call only after
+    dequantize rounds it, the block as bf16 pairs on VDPBF16PS where the CPU has AVX512_BF16 and K is even, else the
+    activations widened exactly; the f32 result rounded once); call only after
     `native.ensure(NATIVE_PANELS_FP8)`."""
     p, k, c = wp.shape
     rows = math.prod(x.shape[:-1])
     if rows == 0:
         return jnp.zeros((*x.shape[:-1], p * c), x.dtype)
     call = jax.ffi.ffi_call(NATIVE_PANELS_FP8, jax.ShapeDtypeStruct((rows, p * c), jnp.float32))
-    out = call(x.reshape(rows, k).astype(jnp.float32), wp.values,
+    pairs = wp.dtype == jnp.bfloat16 and k % 2 == 0 and native.avx512_bf16()  # bf16 x on VDPBF16PS, as it is
+    out = call(x.reshape(rows, k) if pairs else x.reshape(rows, k).astype(jnp.float32), wp.values,
                wp.scale.astype(jnp.float32).reshape(wp.scale.shape[:2]), block_p=wp.block[0], block_k=wp.block[1],
                bf16_weights=int(wp.dtype == jnp.bfloat16))
     return out.reshape(*x.shape[:-1], p * c).astype(x.dtype)

@@ -147,6 +147,19 @@ inline void dequant64(const uint8_t* src, const Fp8RowScale& s, f32x16 dst[4]) {
     for (int v = 0; v < 4; ++v) dst[v] = round_bf16(dst[v]);
 }
 
+// dst[0:64] = the bf16 bits of value(src[0:64]) · s rounded to bf16 (s.bf16 set): a panel row for the VDPBF16PS
+// pair tiles (bf16_pairs.h).
+inline void dequant64_bf16(const uint8_t* src, const Fp8RowScale& s, uint16_t* dst) {
+  typedef uint16_t u16x16 __attribute__((vector_size(32), aligned(2)));
+  f32x16 row[4];
+  dequant64(src, s, row);  // already bf16 values: the low halves are zero
+  for (int v = 0; v < 4; ++v) {
+    u32x16 bits;
+    std::memcpy(&bits, &row[v], sizeof(bits));
+    *reinterpret_cast<u16x16*>(dst + 16 * v) = __builtin_convertvector(bits >> 16, u16x16);
+  }
+}
+
 }  // namespace qcompile_native
 
 #endif  // QCOMPILE_NATIVE_FP8_H_

@@ -226,7 +226,7 @@ void panel_product(const Job& j, const Item& it, float* out, int64_t ldo) {
   for (int64_t p = 0; p < j.nout / kNr; ++p) {
     const int64_t at = (it.expert * (j.nout / kNr) + p) * panel;
 #ifdef __AVX512BF16__
-    if (j.x16 != nullptr) {  // bf16 rows and panels: pairs, the panel read in place by every row tile
+    if (j.x16 != nullptr && j.w16 != nullptr) {  // bf16 rows and panels: pairs, the panel read in place
       const uint16_t* wp16 = j.w16 + at;
       auto ahead = [wp16](int64_t pair) {  // the two panel rows kPrefetchRows ahead (256 bytes)
         const uint16_t* next = wp16 + (2 * pair + kPrefetchRows) * kNr;
@@ -236,6 +236,24 @@ void panel_product(const Job& j, const Item& it, float* out, int64_t ldo) {
         const int rows = static_cast<int>(std::min<int64_t>(kMr, it.rows - r));
         qcompile_native::tile_pairs_rows(rows, j.x16 + (it.row0 + r) * j.k, j.k, wp16, 0, j.k, out + r * ldo + p * kNr,
                                          ldo, false, ahead);
+      }
+      continue;
+    }
+#endif
+#ifdef __AVX512BF16__
+    if (j.w8 != nullptr && j.x16 != nullptr) {  // FP8 panels against bf16 rows: the panel as bf16, then pair tiles
+      const float* sp = j.scale + (it.expert * j.nblocks + p / j.bn) * j.kblocks;
+      thread_local std::vector<uint16_t> panel16;
+      panel16.resize(static_cast<size_t>(panel));
+      for (int64_t k0 = 0; k0 < j.k; k0 += j.bk) {
+        const qcompile_native::Fp8RowScale s(sp[k0 / j.bk], true);
+        for (int64_t kk = k0; kk < std::min(j.k, k0 + j.bk); ++kk)
+          qcompile_native::dequant64_bf16(j.w8 + at + kk * kNr, s, panel16.data() + kk * kNr);
+      }
+      for (int64_t r = 0; r < it.rows; r += kMr) {
+        const int rows = static_cast<int>(std::min<int64_t>(kMr, it.rows - r));
+        qcompile_native::tile_pairs_rows(rows, j.x16 + (it.row0 + r) * j.k, j.k, panel16.data(), 0, j.k,
+                                         out + r * ldo + p * kNr, ldo, false, [](int64_t) {});
       }
       continue;
     }
@@ -435,9 +453,18 @@ ffi::Error RunFp8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> rows, ffi::AnyBuff
 
 // rows[N,K] f32, w[E,P,K,64] e4m3fn panels, scale[E, ceil(P/bp), ceil(K/bk)] f32 -> out f32 (SwiGLU in the epilogue
 // when asked, as the f32 panel kernel).
-ffi::Error RunPanelsFp8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> rows, ffi::AnyBuffer w, ffi::Buffer<ffi::F32> scale,
+ffi::Error RunPanelsFp8(ffi::ThreadPool pool, ffi::AnyBuffer rows, ffi::AnyBuffer w, ffi::Buffer<ffi::F32> scale,
                         ffi::Buffer<ffi::S32> group_sizes, ffi::ResultBuffer<ffi::F32> out, int64_t bp, int64_t bk,
                         int64_t bf16_weights, bool swiglu) {
+  const bool pairs = rows.element_type() == ffi::DataType::BF16;  // bf16 rows: the VDPBF16PS pair tiles
+  if ((!pairs && rows.element_type() != ffi::DataType::F32) || (pairs && (swiglu || rows.dimensions().back() % 2)))
+    return ffi::Error::InvalidArgument("qcompile grouped matmul panels fp8: rows f32, or bf16 with an even K and "
+                                       "no SwiGLU epilogue");
+#ifndef __AVX512BF16__
+  if (pairs)
+    return ffi::Error::InvalidArgument("qcompile grouped matmul panels fp8 pairs: built for a CPU without "
+                                       "AVX512_BF16");
+#endif
   const auto rd = rows.dimensions();
   const auto wd = w.dimensions();
   const auto sd = scale.dimensions();
@@ -449,7 +476,8 @@ ffi::Error RunPanelsFp8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> rows, ffi::A
                                        "panels (an even P for swiglu), scale[E,ceil(P/block_p),ceil(K/block_k)], "
                                        "group_sizes[E]");
   auto job = std::make_shared<Job>();  // shared with the items, which may run after this frame returns
-  job->x = rows.typed_data();
+  job->x = pairs ? nullptr : static_cast<const float*>(rows.untyped_data());
+  job->x16 = pairs ? static_cast<const uint16_t*>(rows.untyped_data()) : nullptr;
   job->w = nullptr;
   job->w8 = static_cast<const uint8_t*>(w.untyped_data());
   job->scale = scale.typed_data();
@@ -466,13 +494,13 @@ ffi::Error RunPanelsFp8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> rows, ffi::A
   return Launch(pool, job, rd[0], wd[0], group_sizes.typed_data());
 }
 
-ffi::Error GroupedMatmulPanelsFp8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> rows, ffi::AnyBuffer w,
+ffi::Error GroupedMatmulPanelsFp8(ffi::ThreadPool pool, ffi::AnyBuffer rows, ffi::AnyBuffer w,
                                   ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::S32> group_sizes,
                                   ffi::ResultBuffer<ffi::F32> out, int64_t bp, int64_t bk, int64_t bf16_weights) {
   return RunPanelsFp8(pool, rows, w, scale, group_sizes, out, bp, bk, bf16_weights, false);
 }
 
-ffi::Error GroupedMatmulSwigluPanelsFp8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> rows, ffi::AnyBuffer w,
+ffi::Error GroupedMatmulSwigluPanelsFp8(ffi::ThreadPool pool, ffi::AnyBuffer rows, ffi::AnyBuffer w,
                                         ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::S32> group_sizes,
                                         ffi::ResultBuffer<ffi::F32> out, int64_t bp, int64_t bk,
                                         int64_t bf16_weights) {
@@ -610,12 +638,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(QcompileGroupedMatmulPanelsBf16Pairs, GroupedMatmu
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QcompileGroupedMatmulFp8, GroupedMatmulFp8, QCOMPILE_GROUPED_MATMUL_FP8_BINDING);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QcompileGroupedMatmulSwigluFp8, GroupedMatmulSwigluFp8,
                               QCOMPILE_GROUPED_MATMUL_FP8_BINDING);
-// rows[N,K] f32, w[E,P,K,64] e4m3fn panels, scale[E,PB,KB] f32, group_sizes[E]; attrs block_p, block_k,
-// bf16_weights (nonzero: each weight rounded to bf16 once dequantized) -> out.
+// rows[N,K] f32 (or bf16: pair tiles, no SwiGLU), w[E,P,K,64] e4m3fn panels, scale[E,PB,KB] f32, group_sizes[E];
+// attrs block_p, block_k, bf16_weights (nonzero: each weight rounded to bf16 once dequantized) -> out.
 #define QCOMPILE_GROUPED_MATMUL_PANELS_FP8_BINDING     \
   ffi::Ffi::Bind()                                    \
       .Ctx<ffi::ThreadPool>()                         \
-      .Arg<ffi::Buffer<ffi::F32>>()                   \
+      .Arg<ffi::AnyBuffer>()                          \
       .Arg<ffi::AnyBuffer>()                          \
       .Arg<ffi::Buffer<ffi::F32>>()                   \
       .Arg<ffi::Buffer<ffi::S32>>()                   \

@@ -28,6 +28,8 @@
 // block scales [ceil(P/bp), ceil(K/bk)]): each k block of a panel is dequantized into the same per-thread f32 block
 // (fp8.h dequant64: one cache line of FP8 a panel row, converted in registers), so memory moves one byte per weight
 // and the tiles, reading the same values in the same order, give the f32 kernel's result on the dequantized panels.
+// Against bf16 activations (a bf16 graph, an even K, AVX512_BF16) the block is dequantized to bf16 instead and the
+// VDPBF16PS pair tiles read it, as they read a bf16 checkpoint's panels.
 // bf16 activations and panels on a CPU with AVX512_BF16 (the ...Bf16Pairs entry point, an even K): VDPBF16PS tiles
 // (bf16_pairs.h), the weights read in place at every row count.
 
@@ -142,12 +144,21 @@ void run_item(const Job& j, int64_t i) {
   const int64_t n = j.panels * kPanel, run_end = p1 * j.k * kPanel * elem;  // bytes of the item's panels
   thread_local std::vector<float> widened;  // bf16 or FP8: the k block of the panel, in f32
   if (j.w16 != nullptr || j.w8 != nullptr) widened.resize(kKc * kPanel);
+  thread_local std::vector<uint16_t> block16_fp8;  // FP8 against bf16 activations: the k block as bf16 pairs
+  if (j.w8 != nullptr && j.x16 != nullptr) block16_fp8.resize(kKc * kPanel);
   for (int64_t p = p0; p < p1; ++p) {
     for (int64_t kb = 0; kb < j.k; kb += kKc) {
       const int64_t ke = std::min(j.k, kb + kKc);
       const float* block = j.w != nullptr ? j.w + (p * j.k + kb) * kPanel : nullptr;
       const uint16_t* block16 = nullptr;  // bf16 read in place by a single row tile (or by the pair tiles)
-      if (j.w8 != nullptr) {
+      if (j.w8 != nullptr && j.x16 != nullptr) {
+        const float* sp = j.scale + (p / j.bp) * j.kblocks;
+        for (int64_t k = kb; k < ke; ++k)
+          qcompile_native::dequant64_bf16(j.w8 + (p * j.k + k) * kPanel,
+                                          qcompile_native::Fp8RowScale(sp[k / j.bk], true),
+                                          block16_fp8.data() + (k - kb) * kPanel);
+        block16 = block16_fp8.data();  // row kb of the panel
+      } else if (j.w8 != nullptr) {
         dequant_block(j, p, kb, ke, widened.data());
         block = widened.data();
       } else if (j.w16 != nullptr && (r1 - r0 <= kMr || j.x16 != nullptr)) {
@@ -225,9 +236,17 @@ ffi::Error LinearPanelsBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
   return Run(pool, x, w, out);
 }
 
-// x[T,K] f32, w[P,K,64] e4m3fn panels, scale[ceil(P/block_p), ceil(K/block_k)] f32 -> out f32.
-ffi::Error LinearPanelsFp8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::Buffer<ffi::F32> scale,
+// x[T,K] f32 (or bf16 with an even K: the pair tiles, each weight rounded to bf16), w[P,K,64] e4m3fn panels,
+// scale[ceil(P/block_p), ceil(K/block_k)] f32 -> out f32.
+ffi::Error LinearPanelsFp8(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Buffer<ffi::F32> scale,
                            ffi::ResultBuffer<ffi::F32> out, int64_t bp, int64_t bk, int64_t bf16_weights) {
+  const bool pairs = x.element_type() == ffi::DataType::BF16;
+  if ((!pairs && x.element_type() != ffi::DataType::F32) || (pairs && x.dimensions().back() % 2))
+    return ffi::Error::InvalidArgument("qcompile linear_panels fp8: x f32, or bf16 with an even K");
+#ifndef __AVX512BF16__
+  if (pairs)
+    return ffi::Error::InvalidArgument("qcompile linear_panels fp8 pairs: built for a CPU without AVX512_BF16");
+#endif
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
   const auto sd = scale.dimensions();
@@ -236,8 +255,9 @@ ffi::Error LinearPanelsFp8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
       sd[1] != (wd[1] + bk - 1) / bk)
     return ffi::Error::InvalidArgument("qcompile linear_panels fp8: expected x[T,K] f32, w[P,K,64] e4m3fn, "
                                        "scale[ceil(P/block_p),ceil(K/block_k)] f32");
-  Job job{x.typed_data(), nullptr, out->typed_data(), xd[0], xd[1], wd[0],
-          qcompile_native::PanelItems(xd[0], wd[0], kRowChunk, pool.num_threads(), kItemsPerThread)};
+  Job job{pairs ? nullptr : static_cast<const float*>(x.untyped_data()), nullptr, out->typed_data(), xd[0], xd[1],
+          wd[0], qcompile_native::PanelItems(xd[0], wd[0], kRowChunk, pool.num_threads(), kItemsPerThread)};
+  if (pairs) job.x16 = static_cast<const uint16_t*>(x.untyped_data());
   job.w8 = static_cast<const uint8_t*>(w.untyped_data());
   job.scale = scale.typed_data();
   job.bp = bp;
@@ -284,11 +304,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(QcompileLinearPanelsBf16Pairs, LinearPanelsBf16Pai
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QcompileLinearPanelsF32, LinearPanelsF32, QCOMPILE_LINEAR_PANELS_BINDING);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QcompileLinearPanelsBf16, LinearPanelsBf16, QCOMPILE_LINEAR_PANELS_BINDING);
-// x[T,K] f32, w[P,K,64] e4m3fn, scale[PB,KB] f32; attrs block_p, block_k, bf16_weights -> out[T,P*64] f32
+// x[T,K] f32 or bf16, w[P,K,64] e4m3fn, scale[PB,KB] f32; attrs block_p, block_k, bf16_weights -> out[T,P*64] f32
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QcompileLinearPanelsFp8, LinearPanelsFp8,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
