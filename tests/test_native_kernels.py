@@ -127,8 +127,8 @@ def test_fp8_panels_equal_the_f32_panel_kernel_on_the_dequantized_weights(swiglu
     unevenly, groups of 0-75 rows, padding rows; a NaN code poisons exactly its column of its expert's rows; a scale
     whose · 2^8 overflows takes the portable route and still equals; and against the float64 oracle. For a bf16 graph
     (each weight rounded to bf16 in the kernel) the f32 products equal the bf16 panel kernel's on the bf16
-    dequantize, bit for bit; with bf16 rows an expert of several row tiles (the panel as bf16 pairs on VDPBF16PS)
-    equals the bf16 pair kernel's, one of a single tile the rows-widened call's."""
+    dequantize, bit for bit, and with bf16 rows (bf16 pairs on VDPBF16PS: made in registers for one row tile, through
+    a bf16 panel for more) the bf16 pair kernel's."""
     import ml_dtypes
 
     from qcompile.kernels.fp8 import QuantizedWeight
@@ -168,23 +168,14 @@ def test_fp8_panels_equal_the_f32_panel_kernel_on_the_dequantized_weights(swiglu
             ref16 = jax.ffi.ffi_call(gm.NATIVE_PANELS_BF16, jax.ShapeDtypeStruct((rows.shape[0], 64 * p), jnp.float32))(
                 rows, w16, gs)
             np.testing.assert_array_equal(np.asarray(raw), np.asarray(ref16), err_msg=f"bf16 case {case}")
-            if native.avx512_bf16() and k % 2 == 0:  # bf16 rows: groups of > 6 rows (several row tiles) take the
-                # panel as bf16 pairs = the bf16 pair kernel's; smaller ones the rows widened = the f32-rows call's
+            if native.avx512_bf16() and k % 2 == 0:  # bf16 rows: bf16 pairs (made in registers for a group of one
+                # row tile, through a bf16 panel for more) = the bf16 pair kernel on the bf16 dequantize
                 rows16 = rows.astype(jnp.bfloat16)
                 shape = jax.ShapeDtypeStruct((rows.shape[0], 64 * p), jnp.float32)
                 got16 = jax.ffi.ffi_call(gm.NATIVE_PANELS_FP8, shape)(
                     rows16, values, jnp.asarray(scale[..., 0]), gs, block_p=bp, block_k=bk, bf16_weights=1)
                 pairs16 = jax.ffi.ffi_call(gm.NATIVE_PANELS_BF16_PAIRS, shape)(rows16, w16, gs)
-                widened16 = jax.ffi.ffi_call(gm.NATIVE_PANELS_FP8, shape)(
-                    rows16.astype(jnp.float32), values, jnp.asarray(scale[..., 0]), gs, block_p=bp, block_k=bk,
-                    bf16_weights=1)
-                sizes, start, several = np.maximum(np.asarray(gs), 0), 0, np.zeros(rows.shape[0], bool)
-                for g in sizes:
-                    g = min(int(g), rows.shape[0] - start)
-                    several[start:start + g] = g > 6
-                    start += g
-                want16 = np.where(several[:, None], np.asarray(pairs16), np.asarray(widened16))
-                np.testing.assert_array_equal(np.asarray(got16), want16, err_msg=f"pairs case {case}")
+                np.testing.assert_array_equal(np.asarray(got16), np.asarray(pairs16), err_msg=f"pairs case {case}")
         _, total = oracle(rows, np.zeros((e, k, 1)), gs)
         assert not got[total:].any(), f"case {case}: padding rows must be 0"
         if case == 1:

@@ -204,6 +204,55 @@ void tile_fp8_rows(const float* x, int64_t ldx, int rows, const uint8_t* w, cons
   }
 }
 
+#ifdef __AVX512BF16__
+// out[m, 0:64] = x[m, 0:k] · w[0:k, 0:64] for m < MR with bf16 rows x (k even) and an FP8 panel w (block scales
+// scale[k / bk]): rows k and k+1 dequantized in registers, rounded to bf16 and packed into pairs by VCVTNE2PS2BF16 and
+// one word permute (lane j holds column j of both rows, so the accumulators stay in column order), then VDPBF16PS —
+// the same pairs and order as the bf16 pair tiles (bf16_pairs.h) on the bf16 dequantize, without writing a panel.
+template <int MR>
+void tile_fp8_pairs(const uint16_t* x, int64_t ldx, const uint8_t* w, const float* scale, int64_t bk, int64_t k,
+                    float* out, int64_t ldo) {
+  alignas(64) static const int16_t order[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                                8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i interleave = _mm512_load_si512(order);  // word 2j <- row k's column j, 2j + 1 <- row k+1's
+  __m512 acc[MR][kNv];
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < kNv; ++v) acc[m][v] = _mm512_setzero_ps();
+  for (int64_t kk = 0; kk < k; kk += 2) {
+    const uint8_t* wr = w + kk * kNr;
+    __builtin_prefetch(wr + kPrefetchRowsFp8 * kNr);
+    __builtin_prefetch(wr + kPrefetchRowsFp8 * kNr + kNr);
+    v16 r0[kNv], r1[kNv];
+    qcompile_native::dequant64(wr, qcompile_native::Fp8RowScale(scale[kk / bk]), r0);
+    qcompile_native::dequant64(wr + kNr, qcompile_native::Fp8RowScale(scale[(kk + 1) / bk]), r1);
+    __m512bh b[kNv];
+    for (int v = 0; v < kNv; ++v)  // words [row k: 16 columns | row k+1: 16 columns] -> (row k, row k+1) per column
+      b[v] = (__m512bh)_mm512_permutexvar_epi16(
+          interleave, (__m512i)_mm512_cvtne2ps_pbh((__m512)r1[v], (__m512)r0[v]));
+    for (int m = 0; m < MR; ++m) {
+      int32_t pair;
+      std::memcpy(&pair, x + m * ldx + kk, sizeof(pair));  // x[m, k] in the low half, x[m, k + 1] in the high
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+      for (int v = 0; v < kNv; ++v) acc[m][v] = _mm512_dpbf16_ps(acc[m][v], a, b[v]);
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < kNv; ++v) _mm512_storeu_ps(out + m * ldo + 16 * v, acc[m][v]);
+}
+
+void tile_fp8_pairs_rows(const uint16_t* x, int64_t ldx, int rows, const uint8_t* w, const float* scale, int64_t bk,
+                         int64_t k, float* out, int64_t ldo) {
+  switch (rows) {
+    case 1: tile_fp8_pairs<1>(x, ldx, w, scale, bk, k, out, ldo); break;
+    case 2: tile_fp8_pairs<2>(x, ldx, w, scale, bk, k, out, ldo); break;
+    case 3: tile_fp8_pairs<3>(x, ldx, w, scale, bk, k, out, ldo); break;
+    case 4: tile_fp8_pairs<4>(x, ldx, w, scale, bk, k, out, ldo); break;
+    case 5: tile_fp8_pairs<5>(x, ldx, w, scale, bk, k, out, ldo); break;
+    default: tile_fp8_pairs<kMr>(x, ldx, w, scale, bk, k, out, ldo); break;
+  }
+}
+#endif
+
 // An FP8 panel (K rows of 64 bytes, block scales scale[k / bk]) dequantized into dst ([K, 64] f32; bf16 values when
 // bf16).
 void dequant_panel(const uint8_t* w, const float* scale, int64_t bk, int64_t k, bool bf16, float* dst) {
@@ -220,17 +269,12 @@ void dequant_panel(const uint8_t* w, const float* scale, int64_t bk, int64_t k, 
 // rows[it] · w[e] with w in panels ([E, Nout/64, K, 64]): per panel, each row tile's accumulators stay in registers
 // over all of K while the panel streams by (re-read from L2 by the next row tile: 256 KiB at K = 1024). bf16 panels
 // are widened in registers for an item of one row tile, into a per-thread f32 panel for more (widened once). FP8
-// panels likewise (dequantized); against bf16 rows an item of several row tiles dequantizes each panel to bf16 for
-// the VDPBF16PS pair tiles, an item of one widens its rows and dequantizes in registers (a bf16 panel through L2 cost
-// 1.4-1.8x at 8-32 tokens).
+// panels likewise (dequantized); against bf16 rows (VDPBF16PS) an item of one row tile makes the bf16 pairs in
+// registers, one of several dequantizes each panel to bf16 once for the pair tiles (a bf16 panel through L2 for a
+// single tile cost 1.4-1.8x at 8-32 tokens).
 void panel_product(const Job& j, const Item& it, float* out, int64_t ldo) {
   const int64_t panel = j.k * kNr;
   thread_local std::vector<float> widened;
-  thread_local std::vector<float> rows32;  // FP8 panels, bf16 rows of one row tile: the rows widened once
-  if (j.w8 != nullptr && j.x16 != nullptr && it.rows <= kMr) {
-    rows32.resize(static_cast<size_t>(it.rows * j.k));
-    qcompile_native::widen(j.x16 + it.row0 * j.k, rows32.data(), it.rows * j.k);
-  }
   for (int64_t p = 0; p < j.nout / kNr; ++p) {
     const int64_t at = (it.expert * (j.nout / kNr) + p) * panel;
 #ifdef __AVX512BF16__
@@ -249,8 +293,13 @@ void panel_product(const Job& j, const Item& it, float* out, int64_t ldo) {
     }
 #endif
 #ifdef __AVX512BF16__
-    if (j.w8 != nullptr && j.x16 != nullptr && it.rows > kMr) {  // bf16 rows, several row tiles: the panel as
-                                                                   // bf16 once, then pair tiles
+    if (j.w8 != nullptr && j.x16 != nullptr && it.rows <= kMr) {  // bf16 rows, one tile: pairs made in registers
+      tile_fp8_pairs_rows(j.x16 + it.row0 * j.k, j.k, static_cast<int>(it.rows), j.w8 + at,
+                          j.scale + (it.expert * j.nblocks + p / j.bn) * j.kblocks, j.bk, j.k, out + p * kNr, ldo);
+      continue;
+    }
+    if (j.w8 != nullptr && j.x16 != nullptr) {  // bf16 rows, several row tiles: the panel as bf16 once, then pair
+                                                // tiles
       const float* sp = j.scale + (it.expert * j.nblocks + p / j.bn) * j.kblocks;
       thread_local std::vector<uint16_t> panel16;
       panel16.resize(static_cast<size_t>(panel));
@@ -276,7 +325,7 @@ void panel_product(const Job& j, const Item& it, float* out, int64_t ldo) {
       for (int64_t r = 0; r < it.rows; r += kMr) {
         const int rows = static_cast<int>(std::min<int64_t>(kMr, it.rows - r));
         float* o = out + r * ldo + p * kNr;
-        const float* x = j.x != nullptr ? j.x + (it.row0 + r) * j.k : rows32.data() + r * j.k;
+        const float* x = j.x + (it.row0 + r) * j.k;
         if (it.rows > kMr)
           tile_rows<kNv, float>(x, j.k, rows, widened.data(), kNr, j.k, o, ldo, false);
         else
