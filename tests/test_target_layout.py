@@ -295,21 +295,13 @@ def test_folded_cpu_graph_streams_expert_panels_and_computes_the_same_logits(tmp
 
     from qcompile.frontend.tiny import full_config, write_checkpoint
     from qcompile.ir.ops.moe import GroupedMatmul, GroupedMatmulPanels
-    from qcompile.passes.base import PassContext
-    from qcompile.passes.equivalence import EquivalenceChecker
-    from qcompile.passes.manager import run_pipeline
-    from qcompile.passes.registry import parse_spec
 
     config = copy.deepcopy(full_config("tiny", "qwen3_5_moe", "f32"))
     text = config["text_config"]
     text.update(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"], moe_intermediate_size=64)
     checkpoint = Checkpoint.open(write_checkpoint(tmp_path / "m", config, seed=5))
-    graph = build_graph(checkpoint)
-    raw = load_params(checkpoint, graph, progress=False)
-    checker = EquivalenceChecker(graph, raw)
-    want = checker.outputs(graph, "reference")
-    fused = run_pipeline(graph, parse_spec("swiglu-fusion"), PassContext(), verify_mode="none").graph
-    for candidate, panels_per_layer in ((graph, 2), (fused, 1)):
+    raw, checker, want, candidates = _unfused_and_fused(checkpoint)
+    for candidate, panels_per_layer in candidates:
         folded = fold_weight_preparation(candidate, "cpu")
         verify(folded)
         layers = len(folded.find(GroupedMatmul))  # the down projections, kept
@@ -318,6 +310,21 @@ def test_folded_cpu_graph_streams_expert_panels_and_computes_the_same_logits(tmp
             w = folded.node(node.operands[1].node).op
             assert isinstance(w, Param) and w.name in prepared_names(folded) and w.type.shape[3] == 64
         _assert_same_outputs(checker, checkpoint, raw, folded, want)
+
+
+def _unfused_and_fused(checkpoint, dtype: str | None = None):
+    """The checkpoint's params, a checker of its unoptimized graph, the reference outputs, and the candidates (the
+    unoptimized graph, 2 expert products a layer; the swiglu-fused one, 1)."""
+    from qcompile.passes.base import PassContext
+    from qcompile.passes.equivalence import EquivalenceChecker
+    from qcompile.passes.manager import run_pipeline
+    from qcompile.passes.registry import parse_spec
+
+    graph = build_graph(checkpoint, dtype)
+    raw = load_params(checkpoint, graph, progress=False)
+    checker = EquivalenceChecker(graph, raw)
+    fused = run_pipeline(graph, parse_spec("swiglu-fusion"), PassContext(), verify_mode="none").graph
+    return raw, checker, checker.outputs(graph, "reference"), ((graph, 2), (fused, 1))
 
 
 def _folded_outputs(checker, checkpoint, raw, folded) -> dict:
@@ -391,18 +398,10 @@ def test_fp8_experts_stay_fp8_in_panels_and_compute_the_same_logits(tmp_path):
 
     from qcompile.ir.ops.moe import GroupedMatmulPanels
     from qcompile.ir.ops.quant import Dequantize
-    from qcompile.passes.base import PassContext
-    from qcompile.passes.equivalence import EquivalenceChecker
-    from qcompile.passes.manager import run_pipeline
-    from qcompile.passes.registry import parse_spec
 
     checkpoint = _fp8_tiny(tmp_path)
-    graph = build_graph(checkpoint, "f32")
-    raw = load_params(checkpoint, graph, progress=False)
-    checker = EquivalenceChecker(graph, raw)
-    want = checker.outputs(graph, "reference")
-    fused = run_pipeline(graph, parse_spec("swiglu-fusion"), PassContext(), verify_mode="none").graph
-    for candidate, panels_per_layer in ((graph, 2), (fused, 1)):
+    raw, checker, want, candidates = _unfused_and_fused(checkpoint, "f32")
+    for candidate, panels_per_layer in candidates:
         folded = fold_weight_preparation(candidate, "cpu")
         verify(folded)
         nodes = folded.find(GroupedMatmulPanels)

@@ -277,6 +277,8 @@ void panel_product(const Job& j, const Item& it, float* out, int64_t ldo) {
   thread_local std::vector<float> widened;
   for (int64_t p = 0; p < j.nout / kNr; ++p) {
     const int64_t at = (it.expert * (j.nout / kNr) + p) * panel;
+    // FP8: this panel's block scales along K
+    const float* sp = j.w8 != nullptr ? j.scale + (it.expert * j.nblocks + p / j.bn) * j.kblocks : nullptr;
 #ifdef __AVX512BF16__
     if (j.x16 != nullptr && j.w16 != nullptr) {  // bf16 rows and panels: pairs, the panel read in place
       const uint16_t* wp16 = j.w16 + at;
@@ -291,16 +293,12 @@ void panel_product(const Job& j, const Item& it, float* out, int64_t ldo) {
       }
       continue;
     }
-#endif
-#ifdef __AVX512BF16__
-    if (j.w8 != nullptr && j.x16 != nullptr && it.rows <= kMr) {  // bf16 rows, one tile: pairs made in registers
-      tile_fp8_pairs_rows(j.x16 + it.row0 * j.k, j.k, static_cast<int>(it.rows), j.w8 + at,
-                          j.scale + (it.expert * j.nblocks + p / j.bn) * j.kblocks, j.bk, j.k, out + p * kNr, ldo);
+    if (j.w8 != nullptr && j.x16 != nullptr && it.rows <= kMr) {  // FP8, bf16 rows, one tile: pairs in registers
+      tile_fp8_pairs_rows(j.x16 + it.row0 * j.k, j.k, static_cast<int>(it.rows), j.w8 + at, sp, j.bk, j.k,
+                          out + p * kNr, ldo);
       continue;
     }
-    if (j.w8 != nullptr && j.x16 != nullptr) {  // bf16 rows, several row tiles: the panel as bf16 once, then pair
-                                                // tiles
-      const float* sp = j.scale + (it.expert * j.nblocks + p / j.bn) * j.kblocks;
+    if (j.w8 != nullptr && j.x16 != nullptr) {  // FP8, bf16 rows, several tiles: the panel as bf16 once, pair tiles
       thread_local std::vector<uint16_t> panel16;
       panel16.resize(static_cast<size_t>(panel));
       for (int64_t k0 = 0; k0 < j.k; k0 += j.bk) {
@@ -317,7 +315,6 @@ void panel_product(const Job& j, const Item& it, float* out, int64_t ldo) {
     }
 #endif
     if (j.w8 != nullptr) {  // FP8 panels: one row tile dequantizes in registers; more share a dequantized panel
-      const float* sp = j.scale + (it.expert * j.nblocks + p / j.bn) * j.kblocks;  // this panel's scales along K
       if (it.rows > kMr) {
         widened.resize(static_cast<size_t>(panel));
         dequant_panel(j.w8 + at, sp, j.bk, j.k, j.bf16_weights, widened.data());
