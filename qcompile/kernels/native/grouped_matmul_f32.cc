@@ -42,6 +42,7 @@
 #include "bf16.h"
 #include "bf16_pairs.h"
 #include "fp8.h"
+#include "fp8_tiles.h"
 #include "parallel_items.h"
 #include "vec16.h"
 #include "xla/ffi/api/ffi.h"
@@ -59,7 +60,6 @@ constexpr int kMr = 6;                  // rows per register tile
 constexpr int kNv = 4;                  // 16-float vectors per tile row
 constexpr int64_t kNr = 16 * kNv;       // columns per panel
 constexpr int64_t kPrefetchRows = 16;   // weight rows prefetched ahead within a panel
-constexpr int64_t kPrefetchRowsFp8 = 64;  // FP8 panel rows (64 bytes each) prefetched ahead: the same 4 KiB
 constexpr int64_t kSlabFloats = 65536;  // k block: kc = kSlabFloats / Nout (>= 16) weight rows (256 KiB) per slab
 constexpr int64_t kRowChunk = 8 * kMr;  // rows per work item
 constexpr int64_t kRowChunkWidened = 4 * kRowChunk;  // bf16: rows per item (each item widens its expert's slabs once)
@@ -165,93 +165,6 @@ void dequant_slab(const Job& j, int64_t e, int64_t k0, int64_t kc, float* buf) {
                                  buf + kk * j.nout);
 }
 
-// out[m, 0:64] = x[m, 0:k] · w[0:k, 0:64] for m < MR, w an FP8 panel (64 bytes a row) whose rows k use the block scale
-// scale[k / bk]: each row dequantized in registers (fp8.h dequant64) and multiplied as the f32 tile multiplies, so the
-// result equals the f32 panel kernel's on the dequantized panel bit for bit.
-template <int MR>
-void tile_fp8(const float* x, int64_t ldx, const uint8_t* w, const float* scale, int64_t bk, int64_t k, bool bf16,
-              float* out, int64_t ldo) {
-  v16 acc[MR][kNv];
-  for (int m = 0; m < MR; ++m)
-    for (int v = 0; v < kNv; ++v) acc[m][v] = v16{};
-  for (int64_t k0 = 0; k0 < k; k0 += bk) {
-    const qcompile_native::Fp8RowScale s(scale[k0 / bk], bf16);
-    const int64_t k1 = std::min(k, k0 + bk);
-    for (int64_t kk = k0; kk < k1; ++kk) {
-      const uint8_t* wr = w + kk * kNr;
-      __builtin_prefetch(wr + kPrefetchRowsFp8 * kNr);
-      v16 b[kNv];
-      qcompile_native::dequant64(wr, s, b);
-      for (int m = 0; m < MR; ++m) {
-        const v16 a = qcompile_native::splat(x[m * ldx + kk]);
-        for (int v = 0; v < kNv; ++v) acc[m][v] += a * b[v];
-      }
-    }
-  }
-  for (int m = 0; m < MR; ++m)
-    for (int v = 0; v < kNv; ++v) store(out + m * ldo + 16 * v, acc[m][v]);
-}
-
-void tile_fp8_rows(const float* x, int64_t ldx, int rows, const uint8_t* w, const float* scale, int64_t bk, int64_t k,
-                   bool bf16, float* out, int64_t ldo) {
-  switch (rows) {
-    case 1: tile_fp8<1>(x, ldx, w, scale, bk, k, bf16, out, ldo); break;
-    case 2: tile_fp8<2>(x, ldx, w, scale, bk, k, bf16, out, ldo); break;
-    case 3: tile_fp8<3>(x, ldx, w, scale, bk, k, bf16, out, ldo); break;
-    case 4: tile_fp8<4>(x, ldx, w, scale, bk, k, bf16, out, ldo); break;
-    case 5: tile_fp8<5>(x, ldx, w, scale, bk, k, bf16, out, ldo); break;
-    default: tile_fp8<kMr>(x, ldx, w, scale, bk, k, bf16, out, ldo); break;
-  }
-}
-
-#ifdef __AVX512BF16__
-// out[m, 0:64] = x[m, 0:k] · w[0:k, 0:64] for m < MR with bf16 rows x (k even) and an FP8 panel w (block scales
-// scale[k / bk]): rows k and k+1 dequantized in registers, rounded to bf16 and packed into pairs by VCVTNE2PS2BF16 and
-// one word permute (lane j holds column j of both rows, so the accumulators stay in column order), then VDPBF16PS —
-// the same pairs and order as the bf16 pair tiles (bf16_pairs.h) on the bf16 dequantize, without writing a panel.
-template <int MR>
-void tile_fp8_pairs(const uint16_t* x, int64_t ldx, const uint8_t* w, const float* scale, int64_t bk, int64_t k,
-                    float* out, int64_t ldo) {
-  alignas(64) static const int16_t order[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
-                                                8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
-  const __m512i interleave = _mm512_load_si512(order);  // word 2j <- row k's column j, 2j + 1 <- row k+1's
-  __m512 acc[MR][kNv];
-  for (int m = 0; m < MR; ++m)
-    for (int v = 0; v < kNv; ++v) acc[m][v] = _mm512_setzero_ps();
-  for (int64_t kk = 0; kk < k; kk += 2) {
-    const uint8_t* wr = w + kk * kNr;
-    __builtin_prefetch(wr + kPrefetchRowsFp8 * kNr);
-    __builtin_prefetch(wr + kPrefetchRowsFp8 * kNr + kNr);
-    v16 r0[kNv], r1[kNv];
-    qcompile_native::dequant64(wr, qcompile_native::Fp8RowScale(scale[kk / bk]), r0);
-    qcompile_native::dequant64(wr + kNr, qcompile_native::Fp8RowScale(scale[(kk + 1) / bk]), r1);
-    __m512bh b[kNv];
-    for (int v = 0; v < kNv; ++v)  // words [row k: 16 columns | row k+1: 16 columns] -> (row k, row k+1) per column
-      b[v] = (__m512bh)_mm512_permutexvar_epi16(
-          interleave, (__m512i)_mm512_cvtne2ps_pbh((__m512)r1[v], (__m512)r0[v]));
-    for (int m = 0; m < MR; ++m) {
-      int32_t pair;
-      std::memcpy(&pair, x + m * ldx + kk, sizeof(pair));  // x[m, k] in the low half, x[m, k + 1] in the high
-      const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
-      for (int v = 0; v < kNv; ++v) acc[m][v] = _mm512_dpbf16_ps(acc[m][v], a, b[v]);
-    }
-  }
-  for (int m = 0; m < MR; ++m)
-    for (int v = 0; v < kNv; ++v) _mm512_storeu_ps(out + m * ldo + 16 * v, acc[m][v]);
-}
-
-void tile_fp8_pairs_rows(const uint16_t* x, int64_t ldx, int rows, const uint8_t* w, const float* scale, int64_t bk,
-                         int64_t k, float* out, int64_t ldo) {
-  switch (rows) {
-    case 1: tile_fp8_pairs<1>(x, ldx, w, scale, bk, k, out, ldo); break;
-    case 2: tile_fp8_pairs<2>(x, ldx, w, scale, bk, k, out, ldo); break;
-    case 3: tile_fp8_pairs<3>(x, ldx, w, scale, bk, k, out, ldo); break;
-    case 4: tile_fp8_pairs<4>(x, ldx, w, scale, bk, k, out, ldo); break;
-    case 5: tile_fp8_pairs<5>(x, ldx, w, scale, bk, k, out, ldo); break;
-    default: tile_fp8_pairs<kMr>(x, ldx, w, scale, bk, k, out, ldo); break;
-  }
-}
-#endif
 
 // An FP8 panel (K rows of 64 bytes, block scales scale[k / bk]) dequantized into dst ([K, 64] f32; bf16 values when
 // bf16).
@@ -294,8 +207,8 @@ void panel_product(const Job& j, const Item& it, float* out, int64_t ldo) {
       continue;
     }
     if (j.w8 != nullptr && j.x16 != nullptr && it.rows <= kMr) {  // FP8, bf16 rows, one tile: pairs in registers
-      tile_fp8_pairs_rows(j.x16 + it.row0 * j.k, j.k, static_cast<int>(it.rows), j.w8 + at, sp, j.bk, j.k,
-                          out + p * kNr, ldo);
+      qcompile_native::tile_fp8_pairs_rows(static_cast<int>(it.rows), j.x16 + it.row0 * j.k, j.k, j.w8 + at, sp,
+                                           j.bk, 0, j.k, out + p * kNr, ldo, false);
       continue;
     }
     if (j.w8 != nullptr && j.x16 != nullptr) {  // FP8, bf16 rows, several tiles: the panel as bf16 once, pair tiles
@@ -326,7 +239,7 @@ void panel_product(const Job& j, const Item& it, float* out, int64_t ldo) {
         if (it.rows > kMr)
           tile_rows<kNv, float>(x, j.k, rows, widened.data(), kNr, j.k, o, ldo, false);
         else
-          tile_fp8_rows(x, j.k, rows, j.w8 + at, sp, j.bk, j.k, j.bf16_weights, o, ldo);
+          qcompile_native::tile_fp8_rows(rows, x, j.k, j.w8 + at, sp, j.bk, 0, j.k, j.bf16_weights, o, ldo, false);
       }
       continue;
     }

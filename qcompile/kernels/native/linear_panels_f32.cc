@@ -29,7 +29,8 @@
 // (fp8.h dequant64: one cache line of FP8 a panel row, converted in registers), so memory moves one byte per weight
 // and the tiles, reading the same values in the same order, give the f32 kernel's result on the dequantized panels.
 // Against bf16 activations (a bf16 graph, an even K, AVX512_BF16) the block is dequantized to bf16 instead and the
-// VDPBF16PS pair tiles read it, as they read a bf16 checkpoint's panels.
+// VDPBF16PS pair tiles read it, as they read a bf16 checkpoint's panels. An item of one row tile (decode) skips the
+// block: its tile dequantizes each panel row in registers over all of K (fp8_tiles.h).
 // bf16 activations and panels on a CPU with AVX512_BF16 (the ...Bf16Pairs entry point, an even K): VDPBF16PS tiles
 // (bf16_pairs.h), the weights read in place at every row count.
 
@@ -41,6 +42,7 @@
 #include "bf16.h"
 #include "bf16_pairs.h"
 #include "fp8.h"
+#include "fp8_tiles.h"
 #include "parallel_items.h"
 #include "vec16.h"
 #include "xla/ffi/api/ffi.h"
@@ -147,6 +149,21 @@ void run_item(const Job& j, int64_t i) {
   thread_local std::vector<uint16_t> block16_fp8;  // FP8 against bf16 activations: the k block as bf16 pairs
   if (j.w8 != nullptr && j.x16 != nullptr) block16_fp8.resize(kKc * kPanel);
   for (int64_t p = p0; p < p1; ++p) {
+    if (j.w8 != nullptr && tiles == 1) {  // FP8, one row tile: each panel row dequantized in registers, all of K
+      const uint8_t* wp = j.w8 + p * j.k * kPanel;
+      const float* sp = j.scale + (p / j.bp) * j.kblocks;
+      const int rows = static_cast<int>(r1 - r0);
+#ifdef __AVX512BF16__
+      if (j.x16 != nullptr) {
+        qcompile_native::tile_fp8_pairs_rows(rows, j.x16 + r0 * j.k, j.k, wp, sp, j.bk, 0, j.k, j.out + r0 * n + p * kPanel,
+                                             n, false);
+        continue;
+      }
+#endif
+      qcompile_native::tile_fp8_rows(rows, j.x + r0 * j.k, j.k, wp, sp, j.bk, 0, j.k, j.bf16_weights,
+                                     j.out + r0 * n + p * kPanel, n, false);
+      continue;
+    }
     for (int64_t kb = 0; kb < j.k; kb += kKc) {
       const int64_t ke = std::min(j.k, kb + kKc);
       const float* block = j.w != nullptr ? j.w + (p * j.k + kb) * kPanel : nullptr;
