@@ -64,10 +64,8 @@ def _panel_weights(graph: Graph) -> dict[int, bool]:
         dtype_ok = (xt.dtype == wt.dtype == "f32"
                     or (xt.dtype == wt.dtype == "bf16" and native.ensure(NATIVE_PANELS_BF16)))
         if _dequantized(graph, w):  # FP8 stays FP8: only where the FP8 panel kernel reads it
-            op = graph.node(w.node).op
             known = _known_fp8(graph, w, pure)
-            dtype_ok = (xt.dtype == wt.dtype and wt.dtype in ("f32", "bf16") and isinstance(op, Dequantize)
-                        and len(op.block) == 2 and op.block[0] % PANEL == 0 and native.ensure(NATIVE_PANELS_FP8))
+            dtype_ok = xt.dtype == wt.dtype and _fp8_panels(graph, w, 0) and native.ensure(NATIVE_PANELS_FP8)
         if (known and dtype_ok and wt.sharding is None and xt.sharding is None
                 and isinstance(wt.shape[0], int) and wt.shape[0] % PANEL == 0 and isinstance(wt.shape[1], int)):
             chosen[node.id] = isinstance(node.op, LinearSwiglu)
@@ -93,12 +91,13 @@ def _known_fp8(graph: Graph, w: Value, pure: set[int]) -> bool:
     return all(v.node in pure or isinstance(graph.node(v.node).op, Param) for v in graph.node(w.node).operands)
 
 
-def _fp8_panels(graph: Graph, w: Value) -> bool:
-    """Whether `w` is an FP8 expert weight the FP8 panel kernel can read in panels: dequantized to f32 directly
-    (layout ops already sunk into its values and scale) with one scale across every 64 output columns."""
+def _fp8_panels(graph: Graph, w: Value, out_axis: int) -> bool:
+    """Whether `w` is an FP8 weight the FP8 panel kernels can read in panels: dequantized to f32 or bf16 directly
+    (layout ops already sunk into its values and scale) with one scale across every 64 columns of `out_axis` (a
+    linear's [N, K]: 0; stacked experts' [E, K, Nout]: 2)."""
     op = graph.node(w.node).op
-    return (isinstance(op, Dequantize) and op.dtype in ("f32", "bf16") and len(op.block) == 3
-            and op.block[2] % PANEL == 0)
+    return (isinstance(op, Dequantize) and op.dtype in ("f32", "bf16") and len(op.block) == graph.type_of(w).rank
+            and op.block[out_axis] % PANEL == 0)
 
 
 def _panel_experts(graph: Graph) -> dict[int, bool]:
@@ -117,7 +116,7 @@ def _panel_experts(graph: Graph) -> dict[int, bool]:
         known = w.node in pure or isinstance(graph.node(w.node).op, Param)
         nout = wt.shape[2]
         if _dequantized(graph, w):  # FP8 stays FP8: only where the FP8 panel kernel reads it
-            kernel = panel_kernel(wt.dtype, swiglu, fp8=True) if _fp8_panels(graph, w) else None
+            kernel = panel_kernel(wt.dtype, swiglu, fp8=True) if _fp8_panels(graph, w, 2) else None
             known = _known_fp8(graph, w, pure)
         else:
             kernel = panel_kernel(wt.dtype, swiglu)

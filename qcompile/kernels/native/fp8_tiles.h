@@ -22,6 +22,22 @@ namespace qcompile_native {
 constexpr int64_t kFp8Panel = 64;          // columns (and bytes) per FP8 panel row
 constexpr int64_t kFp8PrefetchRows = 64;   // panel rows prefetched ahead: 4 KiB (32-256 measured the same)
 
+// Rows kb..ke-1 of an FP8 panel (row k at w + 64 k, block scale scale[k / bk]) dequantized into dst ([ke - kb, 64]):
+// f32 values (rounded to bf16 first when bf16), or the bf16 bits for the pair tiles.
+inline void dequant_rows(const uint8_t* w, const float* scale, int64_t bk, int64_t kb, int64_t ke, bool bf16,
+                         float* dst) {
+  for (int64_t k = kb; k < ke; ++k) {
+    v16 row[4];
+    dequant64(w + k * kFp8Panel, Fp8RowScale(scale[k / bk], bf16), row);
+    for (int v = 0; v < 4; ++v) store(dst + (k - kb) * kFp8Panel + 16 * v, row[v]);
+  }
+}
+
+inline void dequant_rows(const uint8_t* w, const float* scale, int64_t bk, int64_t kb, int64_t ke, uint16_t* dst) {
+  for (int64_t k = kb; k < ke; ++k)
+    dequant64_bf16(w + k * kFp8Panel, Fp8RowScale(scale[k / bk], true), dst + (k - kb) * kFp8Panel);
+}
+
 // out[m, 0:64] (+)= x[m, kb:ke] · w[kb:ke, 0:64] for m < MR, w the panel from row 0 (row k at w + 64 k) whose row k
 // uses the block scale scale[k / bk]; x indexed by absolute k; add: on top of what out holds.
 template <int MR>

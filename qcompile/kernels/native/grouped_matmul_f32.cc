@@ -166,19 +166,6 @@ void dequant_slab(const Job& j, int64_t e, int64_t k0, int64_t kc, float* buf) {
 }
 
 
-// An FP8 panel (K rows of 64 bytes, block scales scale[k / bk]) dequantized into dst ([K, 64] f32; bf16 values when
-// bf16).
-void dequant_panel(const uint8_t* w, const float* scale, int64_t bk, int64_t k, bool bf16, float* dst) {
-  for (int64_t k0 = 0; k0 < k; k0 += bk) {
-    const qcompile_native::Fp8RowScale s(scale[k0 / bk], bf16);
-    for (int64_t kk = k0; kk < std::min(k, k0 + bk); ++kk) {
-      v16 b[kNv];
-      qcompile_native::dequant64(w + kk * kNr, s, b);
-      for (int v = 0; v < kNv; ++v) store(dst + kk * kNr + 16 * v, b[v]);
-    }
-  }
-}
-
 // rows[it] · w[e] with w in panels ([E, Nout/64, K, 64]): per panel, each row tile's accumulators stay in registers
 // over all of K while the panel streams by (re-read from L2 by the next row tile: 256 KiB at K = 1024). bf16 panels
 // are widened in registers for an item of one row tile, into a per-thread f32 panel for more (widened once). FP8
@@ -214,11 +201,7 @@ void panel_product(const Job& j, const Item& it, float* out, int64_t ldo) {
     if (j.w8 != nullptr && j.x16 != nullptr) {  // FP8, bf16 rows, several tiles: the panel as bf16 once, pair tiles
       thread_local std::vector<uint16_t> panel16;
       panel16.resize(static_cast<size_t>(panel));
-      for (int64_t k0 = 0; k0 < j.k; k0 += j.bk) {
-        const qcompile_native::Fp8RowScale s(sp[k0 / j.bk], true);
-        for (int64_t kk = k0; kk < std::min(j.k, k0 + j.bk); ++kk)
-          qcompile_native::dequant64_bf16(j.w8 + at + kk * kNr, s, panel16.data() + kk * kNr);
-      }
+      qcompile_native::dequant_rows(j.w8 + at, sp, j.bk, 0, j.k, panel16.data());
       for (int64_t r = 0; r < it.rows; r += kMr) {
         const int rows = static_cast<int>(std::min<int64_t>(kMr, it.rows - r));
         qcompile_native::tile_pairs_rows(rows, j.x16 + (it.row0 + r) * j.k, j.k, panel16.data(), 0, j.k,
@@ -230,7 +213,7 @@ void panel_product(const Job& j, const Item& it, float* out, int64_t ldo) {
     if (j.w8 != nullptr) {  // FP8 panels: one row tile dequantizes in registers; more share a dequantized panel
       if (it.rows > kMr) {
         widened.resize(static_cast<size_t>(panel));
-        dequant_panel(j.w8 + at, sp, j.bk, j.k, j.bf16_weights, widened.data());
+        qcompile_native::dequant_rows(j.w8 + at, sp, j.bk, 0, j.k, j.bf16_weights, widened.data());
       }
       for (int64_t r = 0; r < it.rows; r += kMr) {
         const int rows = static_cast<int>(std::min<int64_t>(kMr, it.rows - r));

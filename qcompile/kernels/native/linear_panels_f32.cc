@@ -123,17 +123,6 @@ struct Job {
   bool bf16_weights = false;  // each dequantized weight rounded to bf16 (a bf16 graph's dequantize)
 };
 
-// Rows kb..ke-1 of FP8 panel p, dequantized into dst ([ke - kb, 64] f32).
-void dequant_block(const Job& j, int64_t p, int64_t kb, int64_t ke, float* dst) {
-  const float* sp = j.scale + (p / j.bp) * j.kblocks;
-  for (int64_t k = kb; k < ke; ++k) {
-    v16 row[kNv];
-    qcompile_native::dequant64(j.w8 + (p * j.k + k) * kPanel,
-                               qcompile_native::Fp8RowScale(sp[k / j.bk], j.bf16_weights), row);
-    for (int v = 0; v < kNv; ++v) store(dst + (k - kb) * kPanel + 16 * v, row[v]);
-  }
-}
-
 void run_item(const Job& j, int64_t i) {
   int64_t p0, p1, r0, r1;
   j.split.bounds(i, p0, p1, r0, r1);
@@ -149,9 +138,9 @@ void run_item(const Job& j, int64_t i) {
   thread_local std::vector<uint16_t> block16_fp8;  // FP8 against bf16 activations: the k block as bf16 pairs
   if (j.w8 != nullptr && j.x16 != nullptr) block16_fp8.resize(kKc * kPanel);
   for (int64_t p = p0; p < p1; ++p) {
+    const float* sp = j.w8 != nullptr ? j.scale + (p / j.bp) * j.kblocks : nullptr;  // FP8: the panel's scales
     if (j.w8 != nullptr && tiles == 1) {  // FP8, one row tile: each panel row dequantized in registers, all of K
       const uint8_t* wp = j.w8 + p * j.k * kPanel;
-      const float* sp = j.scale + (p / j.bp) * j.kblocks;
       const int rows = static_cast<int>(r1 - r0);
 #ifdef __AVX512BF16__
       if (j.x16 != nullptr) {
@@ -169,14 +158,10 @@ void run_item(const Job& j, int64_t i) {
       const float* block = j.w != nullptr ? j.w + (p * j.k + kb) * kPanel : nullptr;
       const uint16_t* block16 = nullptr;  // bf16 read in place by a single row tile (or by the pair tiles)
       if (j.w8 != nullptr && j.x16 != nullptr) {
-        const float* sp = j.scale + (p / j.bp) * j.kblocks;
-        for (int64_t k = kb; k < ke; ++k)
-          qcompile_native::dequant64_bf16(j.w8 + (p * j.k + k) * kPanel,
-                                          qcompile_native::Fp8RowScale(sp[k / j.bk], true),
-                                          block16_fp8.data() + (k - kb) * kPanel);
+        qcompile_native::dequant_rows(j.w8 + p * j.k * kPanel, sp, j.bk, kb, ke, block16_fp8.data());
         block16 = block16_fp8.data();  // row kb of the panel
       } else if (j.w8 != nullptr) {
-        dequant_block(j, p, kb, ke, widened.data());
+        qcompile_native::dequant_rows(j.w8 + p * j.k * kPanel, sp, j.bk, kb, ke, j.bf16_weights, widened.data());
         block = widened.data();
       } else if (j.w16 != nullptr && (r1 - r0 <= kMr || j.x16 != nullptr)) {
         block16 = j.w16 + (p * j.k + kb) * kPanel;
