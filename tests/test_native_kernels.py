@@ -198,7 +198,8 @@ def test_linear_fp8_panels_equal_the_f32_panel_kernel_on_the_dequantized_weights
     (row tiles, row chunks past 48), K across the kernel's 64-row k blocks with tails, scale blocks of 1-3 panels and
     1-128 rows cut unevenly, every FP8 code but NaN; a NaN code poisons its column only; and the float64 oracle.
     bf16 (each weight rounded to bf16 in the kernel): equal to the bf16 panel kernel on the bf16 dequantize, and with
-    bf16 activations (the block as bf16 pairs on VDPBF16PS) to the bf16 pair kernel."""
+    bf16 activations (the block as bf16 pairs on VDPBF16PS; from 24 rows the whole panel, in items of up to 384 rows
+    — 400 rows: one of 384 and one of 16) to the bf16 pair kernel."""
     import ml_dtypes
 
     from qcompile.kernels.fp8 import QuantizedWeight
@@ -206,7 +207,7 @@ def test_linear_fp8_panels_equal_the_f32_panel_kernel_on_the_dequantized_weights
     rng = np.random.default_rng(20261208)
     f32 = jax.jit(lin.linear_panels_cpu)
     for case, (t, k, p) in enumerate([(1, 64, 1), (5, 65, 3), (7, 1, 2), (40, 300, 4), (49, 130, 5), (130, 63, 2),
-                                      (6, 200, 3)]):
+                                      (6, 200, 3), (400, 130, 3)]):
         bp, bk = int(rng.integers(1, 4)), int(rng.choice([1, 7, 64, 128]))
         codes = rng.integers(0, 256, (p, k, 64)).astype(np.uint8)
         codes[(codes & 0x7F) == 0x7F] = 0
@@ -312,7 +313,7 @@ def test_linear_panels_bf16_pairs_match_float64_oracle():
     """VDPBF16PS tiles (bf16 activations and panels, K even): pairs of k summed into f32 accumulators, rows k and
     k + 1 interleaved in registers and put back in column order at the store — a column swapped between the two
     halves of a 128-bit lane, a dropped pair or a k block added twice is far beyond 1e-5; row tiles of 1-6, row
-    chunks past 48, k blocks of 64 with tails, T = 0 and K = 0. Against float64 products of the same bf16 values
+    chunks past 48, k blocks of 64 with tails below 24 rows an item and the whole K from 24, T = 0 and K = 0. Against float64 products of the same bf16 values
     (measured ≤ 7e-7)."""
     rng = np.random.default_rng(20261206)
     assert native.ensure(lin.NATIVE_PANELS_BF16_PAIRS)
