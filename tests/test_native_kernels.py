@@ -83,8 +83,9 @@ def test_panels_match_float64_oracle_on_random_shapes(swiglu, weights):
     """Experts in column panels ([E, Nout/64, K, 64], the cpu layout), f32 or bf16 (widened in registers for one row
     tile, into an f32 panel for more): groups of 0-75 rows (row tiles of 1-6, several tiles and items per expert),
     negative groups and groups past N, padding rows; with SwiGLU (f32: the kernel's epilogue); bf16 rows with bf16
-    panels on VDPBF16PS pairs where the CPU has them (K made even); into output buffers the call must write whole
-    (XLA gives them uninitialised)."""
+    panels on VDPBF16PS pairs where the CPU has them (K made even; the rule's bf16 result, SwiGLU in the kernel, bit
+    for bit the reference's bf16 ops on the f32 products); into output buffers the call must write whole (XLA gives
+    them uninitialised)."""
     if weights == "bf16 pairs" and not native.avx512_bf16():
         pytest.skip("this CPU has no AVX512_BF16 (VDPBF16PS)")
     rng = np.random.default_rng(20261206)
@@ -105,7 +106,11 @@ def test_panels_match_float64_oracle_on_random_shapes(swiglu, weights):
             gate, up = want[:, :32 * p], want[:, 32 * p:]
             want = gate / (1 + np.exp(-gate)) * up
         if weights == "bf16 pairs":
-            got = np.asarray(pairs(rows, panels, gs), np.float64)
+            product = pairs(rows, panels, gs)
+            got = np.asarray(product, np.float64)
+            # the rule's bf16 result: rounded in the kernel, SwiGLU as the reference's bf16 ops round it
+            assert_bf16_result(jax.jit(gm.grouped_matmul_panels_native, static_argnums=3)(rows, panels, gs, swiglu),
+                               product, swiglu)
             if swiglu:
                 got = got[:, :32 * p] / (1 + np.exp(-got[:, :32 * p])) * got[:, 32 * p:]
         else:
@@ -118,6 +123,41 @@ def test_panels_match_float64_oracle_on_random_shapes(swiglu, weights):
         assert not got[total:].any(), f"case {case}: padding rows must be 0"
 
 
+@pytest.mark.skipif(not native.avx512_bf16(), reason="this CPU has no AVX512_BF16 (VDPBF16PS)")
+def test_bf16_swiglu_epilogue_rounds_as_the_reference_at_every_gate_value():
+    """The bf16 SwiGLU epilogue (native/bf16.h swiglu_bf16) against XLA's bf16 ops at every one of the 65536 bf16
+    gate values — subnormals, ±0, ±inf, NaN, e^-g overflowing from g = -88.75 and the lanes past exp16's clamp at
+    -88.5 — times up values of both signs, 0 and inf: K = 2 makes gate = rows[:, 0] and up = rows[:, 1] · w exactly.
+    One rounding in place of the six (silu · up rounded once) differs in 3.4% of these values."""
+    assert native.ensure(gm.NATIVE_SWIGLU_PANELS_BF16_PAIRS)
+    gate = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(jnp.bfloat16)
+    rows = jnp.asarray(np.stack([gate, np.ones_like(gate)], axis=1))
+    up = np.linspace(-4, 4, 64).astype(np.float32)
+    up[:4] = [0.0, -0.0, np.inf, 3e-39]
+    w = np.zeros((1, 2, 2, 64), np.float32)
+    w[0, 0, 0, :] = 1.0  # gate panel: row 0 → every column is the gate value
+    w[0, 1, 1, :] = up  # up panel: row 1 (x = 1) → column c is up[c]
+    w = jnp.asarray(w, jnp.bfloat16)
+    gs = jnp.asarray([65536], jnp.int32)
+    product = jax.ffi.ffi_call(gm.NATIVE_PANELS_BF16_PAIRS, jax.ShapeDtypeStruct((65536, 128), jnp.float32))(
+        rows, w, gs)
+    got = jax.ffi.ffi_call(gm.NATIVE_SWIGLU_PANELS_BF16_PAIRS, jax.ShapeDtypeStruct((65536, 64), jnp.bfloat16))(
+        rows, w, gs)
+    assert_bf16_result(got, product, swiglu=True)
+
+
+def assert_bf16_result(got, product, swiglu: bool):
+    """A kernel's bf16 result against the reference on its f32 `product`: rounded to bf16, then (swiglu) SwiGLU's
+    halves as XLA computes them on bf16 — the same bits, NaN where the reference has NaN (its bits aside)."""
+    want = product.astype(jnp.bfloat16)
+    want = np.asarray(jax.jit(gm.swiglu_halves)(want) if swiglu else want)
+    got = np.asarray(got)
+    assert got.dtype == want.dtype == jnp.bfloat16 and got.shape == want.shape
+    nan = np.isnan(want.astype(np.float32))
+    np.testing.assert_array_equal(np.isnan(got.astype(np.float32)), nan)
+    np.testing.assert_array_equal(got.view(np.uint16)[~nan], want.view(np.uint16)[~nan])
+
+
 @pytest.mark.parametrize("swiglu", [False, True])
 def test_fp8_panels_equal_the_f32_panel_kernel_on_the_dequantized_weights(swiglu):
     """FP8 experts in panels ([E, P, K, 64] e4m3 values, block scales [E, ceil(P/bp), ceil(K/bk)]): each panel row
@@ -128,7 +168,8 @@ def test_fp8_panels_equal_the_f32_panel_kernel_on_the_dequantized_weights(swiglu
     whose · 2^8 overflows takes the portable route and still equals; and against the float64 oracle. For a bf16 graph
     (each weight rounded to bf16 in the kernel) the f32 products equal the bf16 panel kernel's on the bf16
     dequantize, bit for bit, and with bf16 rows (bf16 pairs on VDPBF16PS: made in registers for one row tile, through
-    a bf16 panel for more) the bf16 pair kernel's."""
+    a bf16 panel for more) the bf16 pair kernel's; its bf16 result (SwiGLU in the kernel) the reference's bf16 ops
+    on those products, bit for bit."""
     import ml_dtypes
 
     from qcompile.kernels.fp8 import QuantizedWeight
@@ -161,21 +202,28 @@ def test_fp8_panels_equal_the_f32_panel_kernel_on_the_dequantized_weights(swiglu
         got = np.asarray(fp8(rows, weight, gs))
         want = np.asarray(f32(rows, weight.dequantize(), gs, swiglu))
         np.testing.assert_array_equal(got, want, err_msg=f"case {case}: bp {bp}, bk {bk}, groups {np.asarray(gs)}")
-        if not swiglu:  # a bf16 graph's: each weight rounded to bf16 in the kernel = the bf16 panel kernel's products
-            raw = jax.ffi.ffi_call(gm.NATIVE_PANELS_FP8, jax.ShapeDtypeStruct((rows.shape[0], 64 * p), jnp.float32))(
-                rows, values, jnp.asarray(scale[..., 0]), gs, block_p=bp, block_k=bk, bf16_weights=1)
-            w16 = QuantizedWeight(values, jnp.asarray(scale), (1, bp, bk, 64), jnp.bfloat16).dequantize()
-            ref16 = jax.ffi.ffi_call(gm.NATIVE_PANELS_BF16, jax.ShapeDtypeStruct((rows.shape[0], 64 * p), jnp.float32))(
-                rows, w16, gs)
-            np.testing.assert_array_equal(np.asarray(raw), np.asarray(ref16), err_msg=f"bf16 case {case}")
-            if native.avx512_bf16() and k % 2 == 0:  # bf16 rows: bf16 pairs (made in registers for a group of one
-                # row tile, through a bf16 panel for more) = the bf16 pair kernel on the bf16 dequantize
-                rows16 = rows.astype(jnp.bfloat16)
-                shape = jax.ShapeDtypeStruct((rows.shape[0], 64 * p), jnp.float32)
-                got16 = jax.ffi.ffi_call(gm.NATIVE_PANELS_FP8, shape)(
-                    rows16, values, jnp.asarray(scale[..., 0]), gs, block_p=bp, block_k=bk, bf16_weights=1)
-                pairs16 = jax.ffi.ffi_call(gm.NATIVE_PANELS_BF16_PAIRS, shape)(rows16, w16, gs)
-                np.testing.assert_array_equal(np.asarray(got16), np.asarray(pairs16), err_msg=f"pairs case {case}")
+        # a bf16 graph's: each weight rounded to bf16 in the kernel = the bf16 panel kernel's products; its bf16
+        # result (SwiGLU in the kernel) = the reference's bf16 SwiGLU on those products rounded
+        shape = jax.ShapeDtypeStruct((rows.shape[0], 64 * p), jnp.float32)
+        shape16 = jax.ShapeDtypeStruct((rows.shape[0], (32 if swiglu else 64) * p), jnp.bfloat16)
+        entry = gm.NATIVE_SWIGLU_PANELS_FP8 if swiglu else gm.NATIVE_PANELS_FP8
+        raw = jax.ffi.ffi_call(gm.NATIVE_PANELS_FP8, shape)(
+            rows, values, jnp.asarray(scale[..., 0]), gs, block_p=bp, block_k=bk, bf16_weights=1)
+        w16 = QuantizedWeight(values, jnp.asarray(scale), (1, bp, bk, 64), jnp.bfloat16).dequantize()
+        ref16 = jax.ffi.ffi_call(gm.NATIVE_PANELS_BF16, shape)(rows, w16, gs)
+        np.testing.assert_array_equal(np.asarray(raw), np.asarray(ref16), err_msg=f"bf16 case {case}")
+        assert_bf16_result(jax.ffi.ffi_call(entry, shape16)(
+            rows, values, jnp.asarray(scale[..., 0]), gs, block_p=bp, block_k=bk, bf16_weights=1), ref16, swiglu)
+        if native.avx512_bf16() and k % 2 == 0:  # bf16 rows: bf16 pairs (made in registers for a group of one
+            # row tile, through a bf16 panel for more) = the bf16 pair kernel on the bf16 dequantize
+            rows16 = rows.astype(jnp.bfloat16)
+            got16 = jax.ffi.ffi_call(gm.NATIVE_PANELS_FP8, shape)(
+                rows16, values, jnp.asarray(scale[..., 0]), gs, block_p=bp, block_k=bk, bf16_weights=1)
+            pairs16 = jax.ffi.ffi_call(gm.NATIVE_PANELS_BF16_PAIRS, shape)(rows16, w16, gs)
+            np.testing.assert_array_equal(np.asarray(got16), np.asarray(pairs16), err_msg=f"pairs case {case}")
+            assert_bf16_result(jax.ffi.ffi_call(entry, shape16)(
+                rows16, values, jnp.asarray(scale[..., 0]), gs, block_p=bp, block_k=bk, bf16_weights=1), pairs16,
+                swiglu)
         _, total = oracle(rows, np.zeros((e, k, 1)), gs)
         assert not got[total:].any(), f"case {case}: padding rows must be 0"
         if case == 1:

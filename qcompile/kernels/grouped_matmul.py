@@ -424,6 +424,7 @@ NATIVE_PANELS_F32 = "qcompile_grouped_matmul_panels_f32"
 NATIVE_SWIGLU_PANELS_F32 = "qcompile_grouped_matmul_swiglu_panels_f32"
 NATIVE_PANELS_BF16 = "qcompile_grouped_matmul_panels_bf16"
 NATIVE_PANELS_BF16_PAIRS = "qcompile_grouped_matmul_panels_bf16_pairs"  # bf16 rows too, on VDPBF16PS
+NATIVE_SWIGLU_PANELS_BF16_PAIRS = "qcompile_grouped_matmul_swiglu_panels_bf16_pairs"  # ... SwiGLU as bf16 rounds it
 NATIVE_PANELS_FP8 = "qcompile_grouped_matmul_panels_fp8"
 NATIVE_SWIGLU_PANELS_FP8 = "qcompile_grouped_matmul_swiglu_panels_fp8"
 
@@ -432,10 +433,8 @@ def panel_kernel(dtype, swiglu: bool, fp8: bool = False) -> str | None:
     """The native entry point reading experts of `dtype` in panels (None: none for that dtype). bf16 experts go into
     panels only where the CPU has no AMX tiles: the AMX kernel, faster from 8 rows per expert, reads [E, K, Nout].
     `fp8`: FP8 experts dequantized to `dtype` (f32 or bf16) in the kernel."""
-    if fp8:
-        if dtype == "bf16":  # SwiGLU after the product's rounding to bf16, as the reference takes it
-            return NATIVE_PANELS_FP8
-        return (NATIVE_SWIGLU_PANELS_FP8 if swiglu else NATIVE_PANELS_FP8) if dtype == "f32" else None
+    if fp8:  # bf16: SwiGLU in the kernel as a bf16 graph rounds it (a bf16 result)
+        return (NATIVE_SWIGLU_PANELS_FP8 if swiglu else NATIVE_PANELS_FP8) if dtype in ("f32", "bf16") else None
     if dtype == "f32":
         return NATIVE_SWIGLU_PANELS_F32 if swiglu else NATIVE_PANELS_F32
     if dtype == "bf16" and not native.amx_bf16():
@@ -458,25 +457,24 @@ def grouped_matmul_panels_reference(rows, w, group_sizes, swiglu: bool):
 def grouped_matmul_panels_fp8_native(rows, w: QuantizedWeight, group_sizes, swiglu: bool):
     """The native kernel on FP8 panels: values [E, P, K, 64] with block scales [E, ceil(P/bp), ceil(K/bk), 1] (blocks
     of 1 x bp panels x bk rows x the whole panel width, what ir/fp8_layout.py makes of Qwen's 128 x 128 blocks), each
-    panel row dequantized in registers as it streams by (kernels/native/grouped_matmul_f32.cc). f32: SwiGLU in the
+    panel row dequantized in registers as it streams by (kernels/native/grouped_matmul_f32.cc), SwiGLU in the
     kernel's epilogue. bf16 (the weight dequantized to bf16, bf16 rows): each weight rounded to bf16 in the kernel as
     the reference's dequantize rounds it — a panel at a time into bf16 pairs on VDPBF16PS where the CPU has
-    AVX512_BF16 (K even), else the rows widened exactly —, the f32 product rounded once to bf16, then SwiGLU's halves
-    as the reference takes them. Call only after `native.ensure` of the entry point returned True."""
+    AVX512_BF16 (K even), else the rows widened exactly —, and a bf16 result: the f32 product rounded once, or
+    SwiGLU's halves computed as the reference's bf16 ops round them (native/bf16.h swiglu_bf16). Call only after
+    `native.ensure` of the entry point returned True."""
     n, nout = rows.shape[0], w.shape[1] * w.shape[3]
     bf16 = w.dtype == jnp.bfloat16
-    fused = swiglu and not bf16
-    width = nout // 2 if fused else nout
+    width = nout // 2 if swiglu else nout
     if n == 0:
-        return jnp.zeros((0, nout // 2 if swiglu else nout), rows.dtype)
+        return jnp.zeros((0, width), rows.dtype)
     w = unit_leading(w, 1)
     scale = w.scale.astype(jnp.float32).reshape(w.scale.shape[:3])
-    call = jax.ffi.ffi_call(NATIVE_SWIGLU_PANELS_FP8 if fused else NATIVE_PANELS_FP8,
-                            jax.ShapeDtypeStruct((n, width), jnp.float32))
+    call = jax.ffi.ffi_call(NATIVE_SWIGLU_PANELS_FP8 if swiglu else NATIVE_PANELS_FP8,
+                            jax.ShapeDtypeStruct((n, width), jnp.bfloat16 if bf16 else jnp.float32))
     pairs = bf16 and rows.shape[1] % 2 == 0 and native.avx512_bf16()  # bf16 rows on VDPBF16PS, as they are
-    y = call(rows if pairs else rows.astype(jnp.float32), w.values, scale, group_sizes.astype(jnp.int32),
-             block_p=w.block[1], block_k=w.block[2], bf16_weights=int(bf16)).astype(rows.dtype)
-    return swiglu_halves(y) if swiglu and bf16 else y
+    return call(rows if pairs else rows.astype(jnp.float32), w.values, scale, group_sizes.astype(jnp.int32),
+                block_p=w.block[1], block_k=w.block[2], bf16_weights=int(bf16)).astype(rows.dtype)
 
 
 def fp8_panels_fit(rows, w) -> bool:
@@ -491,21 +489,22 @@ def grouped_matmul_panels_native(rows, w, group_sizes, swiglu: bool):
     to back, a row tile's accumulators in registers over all of K. f32: the SwiGLU epilogue in the kernel when
     `swiglu`; bf16 weights (read as they are: bf16 rows with them multiplied in pairs on VDPBF16PS where the CPU has
     AVX512_BF16, else the weights widened in registers and the rows before): the f32 product rounded once to the
-    rows' dtype, then SwiGLU's halves as the reference takes them. Call only after `native.ensure` of the
-    entry point returned True."""
+    rows' dtype — bf16 pairs: in the kernel, with SwiGLU's halves as the reference's bf16 ops round them
+    (native/bf16.h swiglu_bf16) —, else SwiGLU's halves after it as the reference takes them. Call only after
+    `native.ensure` of the entry point returned True."""
     n, nout = rows.shape[0], w.shape[1] * w.shape[3]
     fused = swiglu and w.dtype == jnp.float32
     width = nout // 2 if fused else nout
     if n == 0:
         return jnp.zeros((0, nout // 2 if swiglu else nout), rows.dtype)
     if w.dtype == jnp.bfloat16:
+        entry = NATIVE_SWIGLU_PANELS_BF16_PAIRS if swiglu else NATIVE_PANELS_BF16_PAIRS
         if (rows.dtype == jnp.bfloat16 and rows.shape[1] % 2 == 0 and native.avx512_bf16()
-                and native.ensure(NATIVE_PANELS_BF16_PAIRS)):  # bf16 pairs multiplied as they are
-            call = jax.ffi.ffi_call(NATIVE_PANELS_BF16_PAIRS, jax.ShapeDtypeStruct((n, width), jnp.float32))
-            y = call(rows, w, group_sizes.astype(jnp.int32)).astype(rows.dtype)
-        else:
-            call = jax.ffi.ffi_call(NATIVE_PANELS_BF16, jax.ShapeDtypeStruct((n, width), jnp.float32))
-            y = call(rows.astype(jnp.float32), w, group_sizes.astype(jnp.int32)).astype(rows.dtype)
+                and native.ensure(entry)):  # bf16 pairs multiplied as they are, a bf16 result
+            call = jax.ffi.ffi_call(entry, jax.ShapeDtypeStruct((n, nout // 2 if swiglu else nout), jnp.bfloat16))
+            return call(rows, w, group_sizes.astype(jnp.int32))
+        call = jax.ffi.ffi_call(NATIVE_PANELS_BF16, jax.ShapeDtypeStruct((n, width), jnp.float32))
+        y = call(rows.astype(jnp.float32), w, group_sizes.astype(jnp.int32)).astype(rows.dtype)
         return swiglu_halves(y) if swiglu else y
     call = jax.ffi.ffi_call(NATIVE_SWIGLU_PANELS_F32 if swiglu else NATIVE_PANELS_F32,
                             jax.ShapeDtypeStruct((n, width), jnp.float32))

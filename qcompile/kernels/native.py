@@ -48,6 +48,8 @@ KERNELS = {
     "qcompile_grouped_matmul_swiglu_panels_f32": ("grouped_matmul_f32.cc", "QcompileGroupedMatmulSwigluPanelsF32"),
     "qcompile_grouped_matmul_panels_bf16": ("grouped_matmul_f32.cc", "QcompileGroupedMatmulPanelsBf16"),
     "qcompile_grouped_matmul_panels_bf16_pairs": ("grouped_matmul_f32.cc", "QcompileGroupedMatmulPanelsBf16Pairs"),
+    "qcompile_grouped_matmul_swiglu_panels_bf16_pairs": ("grouped_matmul_f32.cc",
+                                                         "QcompileGroupedMatmulSwigluPanelsBf16Pairs"),
     "qcompile_grouped_matmul_fp8": ("grouped_matmul_f32.cc", "QcompileGroupedMatmulFp8"),
     "qcompile_grouped_matmul_swiglu_fp8": ("grouped_matmul_f32.cc", "QcompileGroupedMatmulSwigluFp8"),
     "qcompile_grouped_matmul_panels_fp8": ("grouped_matmul_f32.cc", "QcompileGroupedMatmulPanelsFp8"),

@@ -4,6 +4,7 @@
 #ifndef QCOMPILE_NATIVE_BF16_H_
 #define QCOMPILE_NATIVE_BF16_H_
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -46,6 +47,49 @@ inline void narrow16(v16 value, uint16_t* dst) {
   const u32x16 quiet_nan = (bits >> 16) | 0x40u;
   const u32x16 out = (bits & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded;
   *reinterpret_cast<u16x16*>(dst) = __builtin_convertvector(out, u16x16);
+}
+
+// value rounded to the nearest bf16 (even on ties), kept as f32: what a bf16 graph stores after each op.
+inline v16 round16(v16 value) {
+  u32x16 bits;
+  std::memcpy(&bits, &value, sizeof(bits));
+  const u32x16 rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
+  const u32x16 quiet_nan = (bits | 0x400000u) & 0xffff0000u;
+  const u32x16 out = (bits & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded;
+  std::memcpy(&value, &out, sizeof(value));
+  return value;
+}
+
+// e^x up to f32's overflow: exp16 clamps above 88.38, so the lanes past 88 take 2 e^(x - ln 2), and e^x = inf from
+// ln(FLT_MAX) on, as the reference's exp gives.
+inline v16 exp16_to_inf(v16 x) {
+  const auto high = x > 88.0f;
+  const v16 e = exp16(high ? x - 0.693147180559945f : x);
+  return x > 88.72283935546875f ? splat(INFINITY) : high ? e * 2.0f : e;
+}
+
+// dst = the bf16 bits of silu(g) · u for the f32 products g (gate) and u (up), as a bf16 graph computes SwiGLU's
+// halves (kernels/grouped_matmul.py swiglu_halves: jax.nn.silu on bf16, then the product): g and u rounded to bf16,
+// then every op in f32 and rounded to bf16 after it — e^-g, 1 + e^-g, 1 / (1 + e^-g), g · that, · u. An epilogue
+// that rounded only its result would round in other places than the reference, which in a deep bf16 MoE flips routes.
+inline v16 swiglu_bf16_values(v16 gate, v16 up) {
+  const v16 g = round16(gate), u = round16(up);
+  const v16 e = round16(exp16_to_inf(-g));
+  const v16 sigmoid = round16(1.0f / round16(e + 1.0f));
+  return round16(g * sigmoid) * u;  // narrow16 rounds the last product
+}
+
+inline void swiglu_bf16(const float* gate, const float* up, uint16_t* dst, int64_t n) {
+  int64_t c = 0;
+  for (; c + 16 <= n; c += 16) narrow16(swiglu_bf16_values(load(gate + c), load(up + c)), dst + c);
+  if (c < n) {  // the tail through zero-padded vectors
+    float g[16] = {}, u[16] = {};
+    uint16_t out[16];
+    std::memcpy(g, gate + c, sizeof(float) * (n - c));
+    std::memcpy(u, up + c, sizeof(float) * (n - c));
+    narrow16(swiglu_bf16_values(load(g), load(u)), out);
+    std::memcpy(dst + c, out, sizeof(uint16_t) * (n - c));
+  }
 }
 
 inline void widen(const float* __restrict src, float* __restrict dst, int64_t n) { std::memcpy(dst, src, 4 * n); }

@@ -154,6 +154,9 @@ struct Job {
   const uint16_t* x16 = nullptr;  // bf16 rows (x null), with bf16 panels: the VDPBF16PS tiles (bf16_pairs.h)
   int64_t bk = 1, bn = 1, kblocks = 1, nblocks = 1;
   bool bf16_weights = false;  // FP8 panels: each dequantized weight rounded to bf16 (a bf16 graph's dequantize)
+  // A bf16 result (out null): each value of the product rounded once to bf16, or with swiglu the halves as a bf16
+  // graph computes them (bf16.h swiglu_bf16) — so neither the f32 product nor a conversion goes through memory.
+  uint16_t* out16 = nullptr;
 };
 
 // Rows [k0, k0 + kc) of expert e's FP8 weights, dequantized into buf ([kc, Nout]).
@@ -290,17 +293,29 @@ void product(const Job& j, const Item& it, float* out, int64_t ldo) {
 
 
 void run_item(const Job& j, const Item& it) {
-  if (!j.swiglu) {
+  if (!j.swiglu && j.out16 == nullptr) {
     product(j, it, j.out + it.row0 * j.nout, j.nout);
     return;
   }
-  // The [rows, nout] product goes to a per-item scratch (≤ kRowChunk rows, 4x for bf16: L2-resident), then the
+  // The [rows, nout] product goes to a per-thread scratch (≤ kRowChunk rows, 4x for bf16: L2-resident), then the
   // epilogue.
-  std::vector<float> y(static_cast<size_t>(it.rows * j.nout));
-  product(j, it, y.data(), j.nout);
+  thread_local std::vector<float> scratch;
+  scratch.resize(static_cast<size_t>(it.rows * j.nout));
+  float* y = scratch.data();
+  product(j, it, y, j.nout);
   const int64_t half = j.nout / 2;
+  if (j.out16 != nullptr) {
+    for (int64_t r = 0; r < it.rows; ++r) {
+      const float* yr = y + r * j.nout;
+      if (j.swiglu)
+        qcompile_native::swiglu_bf16(yr, yr + half, j.out16 + (it.row0 + r) * half, half);
+      else
+        qcompile_native::narrow(yr, j.out16 + (it.row0 + r) * j.nout, j.nout);
+    }
+    return;
+  }
   for (int64_t r = 0; r < it.rows; ++r) {
-    const float* yr = y.data() + r * j.nout;
+    const float* yr = y + r * j.nout;
     float* o = j.out + (it.row0 + r) * half;
     int64_t c = 0;
     for (; c + 16 <= half; c += 16) {
@@ -317,14 +332,16 @@ void run_item(const Job& j, const Item& it) {
 // Items (expert, row chunk) for the groups, rows past them zeroed; then every item, on the pool.
 ffi::Error Launch(ffi::ThreadPool pool, std::shared_ptr<Job> job, int64_t n, int64_t experts, const int32_t* gs) {
   const int64_t width = job->swiglu ? job->nout / 2 : job->nout;
+  const int64_t elem = job->out16 != nullptr ? 2 : 4;  // bytes per result value
+  char* out = job->out16 != nullptr ? reinterpret_cast<char*>(job->out16) : reinterpret_cast<char*>(job->out);
   if (job->k == 0) {  // an empty product: y = 0, and silu(0)·0 = 0
-    std::memset(job->out, 0, sizeof(float) * n * width);
+    std::memset(out, 0, elem * n * width);
     return ffi::Error::Success();
   }
   const int64_t row = qcompile_native::group_chunks(gs, experts, n, job->w16 != nullptr || (job->w8 != nullptr && job->panels)
                                                         ? kRowChunkWidened : kRowChunk,
                                                     job->items);
-  if (row < n) std::memset(job->out + row * width, 0, sizeof(float) * (n - row) * width);
+  if (row < n) std::memset(out + elem * row * width, 0, elem * (n - row) * width);
   qcompile_native::parallel_items(pool, static_cast<int64_t>(job->items.size()),
                                   [job](int64_t i) { run_item(*job, job->items[i]); });
   return ffi::Error::Success();
@@ -354,7 +371,7 @@ ffi::Error Run(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> rows, ffi::Buffer<ffi
 // w in panels [E, P, K, 64] (Nout = 64 P), f32 or bf16, against f32 rows x or bf16 rows x16 (the pairs kernel).
 ffi::Error LaunchPanels(ffi::ThreadPool pool, const float* x, const uint16_t* x16, const void* w, bool w_bf16,
                         ffi::Span<const int64_t> rd, ffi::Span<const int64_t> wd, ffi::Buffer<ffi::S32> group_sizes,
-                        float* out, bool swiglu) {
+                        float* out, bool swiglu, uint16_t* out16 = nullptr) {
   const auto gd = group_sizes.dimensions();
   if (rd.size() != 2 || wd.size() != 4 || gd.size() != 1 || wd[2] != rd[1] || wd[3] != kNr || gd[0] != wd[0] ||
       (swiglu && wd[1] % 2) || (x16 != nullptr && rd[1] % 2))
@@ -366,6 +383,7 @@ ffi::Error LaunchPanels(ffi::ThreadPool pool, const float* x, const uint16_t* x1
   job->w = w_bf16 ? nullptr : static_cast<const float*>(w);
   job->w16 = w_bf16 ? static_cast<const uint16_t*>(w) : nullptr;
   job->out = out;
+  job->out16 = out16;
   job->k = rd[1];
   job->nout = wd[1] * kNr;
   job->swiglu = swiglu;
@@ -405,12 +423,14 @@ ffi::Error RunFp8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> rows, ffi::AnyBuff
 // rows[N,K] f32, w[E,P,K,64] e4m3fn panels, scale[E, ceil(P/bp), ceil(K/bk)] f32 -> out f32 (SwiGLU in the epilogue
 // when asked, as the f32 panel kernel).
 ffi::Error RunPanelsFp8(ffi::ThreadPool pool, ffi::AnyBuffer rows, ffi::AnyBuffer w, ffi::Buffer<ffi::F32> scale,
-                        ffi::Buffer<ffi::S32> group_sizes, ffi::ResultBuffer<ffi::F32> out, int64_t bp, int64_t bk,
+                        ffi::Buffer<ffi::S32> group_sizes, ffi::Result<ffi::AnyBuffer> out, int64_t bp, int64_t bk,
                         int64_t bf16_weights, bool swiglu) {
   const bool pairs = rows.element_type() == ffi::DataType::BF16;  // bf16 rows: the VDPBF16PS pair tiles
-  if ((!pairs && rows.element_type() != ffi::DataType::F32) || (pairs && (swiglu || rows.dimensions().back() % 2)))
-    return ffi::Error::InvalidArgument("qcompile grouped matmul panels fp8: rows f32, or bf16 with an even K and "
-                                       "no SwiGLU epilogue");
+  const bool out16 = out->element_type() == ffi::DataType::BF16;  // a bf16 graph's result, SwiGLU as it rounds
+  if ((!pairs && rows.element_type() != ffi::DataType::F32) || (pairs && rows.dimensions().back() % 2) ||
+      (out16 ? bf16_weights == 0 : (out->element_type() != ffi::DataType::F32 || (pairs && swiglu))))
+    return ffi::Error::InvalidArgument("qcompile grouped matmul panels fp8: rows f32, or bf16 with an even K; out "
+                                       "f32 (no SwiGLU for bf16 rows), or bf16 with bf16_weights");
 #ifndef __AVX512BF16__
   if (pairs)
     return ffi::Error::InvalidArgument("qcompile grouped matmul panels fp8 pairs: built for a CPU without "
@@ -437,7 +457,8 @@ ffi::Error RunPanelsFp8(ffi::ThreadPool pool, ffi::AnyBuffer rows, ffi::AnyBuffe
   job->nblocks = sd[1];
   job->kblocks = sd[2];
   job->bf16_weights = bf16_weights != 0;
-  job->out = out->typed_data();
+  job->out = out16 ? nullptr : static_cast<float*>(out->untyped_data());
+  job->out16 = out16 ? static_cast<uint16_t*>(out->untyped_data()) : nullptr;
   job->k = rd[1];
   job->nout = wd[1] * kNr;
   job->swiglu = swiglu;
@@ -447,13 +468,13 @@ ffi::Error RunPanelsFp8(ffi::ThreadPool pool, ffi::AnyBuffer rows, ffi::AnyBuffe
 
 ffi::Error GroupedMatmulPanelsFp8(ffi::ThreadPool pool, ffi::AnyBuffer rows, ffi::AnyBuffer w,
                                   ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::S32> group_sizes,
-                                  ffi::ResultBuffer<ffi::F32> out, int64_t bp, int64_t bk, int64_t bf16_weights) {
+                                  ffi::Result<ffi::AnyBuffer> out, int64_t bp, int64_t bk, int64_t bf16_weights) {
   return RunPanelsFp8(pool, rows, w, scale, group_sizes, out, bp, bk, bf16_weights, false);
 }
 
 ffi::Error GroupedMatmulSwigluPanelsFp8(ffi::ThreadPool pool, ffi::AnyBuffer rows, ffi::AnyBuffer w,
                                         ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::S32> group_sizes,
-                                        ffi::ResultBuffer<ffi::F32> out, int64_t bp, int64_t bk,
+                                        ffi::Result<ffi::AnyBuffer> out, int64_t bp, int64_t bk,
                                         int64_t bf16_weights) {
   return RunPanelsFp8(pool, rows, w, scale, group_sizes, out, bp, bk, bf16_weights, true);
 }
@@ -487,18 +508,34 @@ ffi::Error GroupedMatmulPanelsBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> r
                       group_sizes, out->typed_data(), false);
 }
 
-// rows[N,K] bf16, w[E,P,K,64] bf16 panels, K even -> out f32 on VDPBF16PS; an error on a CPU without AVX512_BF16
-// (the rule asks native.avx512_bf16() first).
-ffi::Error GroupedMatmulPanelsBf16Pairs(ffi::ThreadPool pool, ffi::AnyBuffer rows, ffi::AnyBuffer w,
-                                        ffi::Buffer<ffi::S32> group_sizes, ffi::ResultBuffer<ffi::F32> out) {
+// rows[N,K] bf16, w[E,P,K,64] bf16 panels, K even -> out on VDPBF16PS: f32, or bf16 (each value rounded once; with
+// swiglu, SwiGLU's halves as a bf16 graph computes them); an error on a CPU without AVX512_BF16 (the rule asks
+// native.avx512_bf16() first).
+ffi::Error RunPanelsBf16Pairs(ffi::ThreadPool pool, ffi::AnyBuffer rows, ffi::AnyBuffer w,
+                              ffi::Buffer<ffi::S32> group_sizes, ffi::Result<ffi::AnyBuffer> out, bool swiglu) {
 #ifdef __AVX512BF16__
-  if (rows.element_type() != ffi::DataType::BF16 || w.element_type() != ffi::DataType::BF16)
-    return ffi::Error::InvalidArgument("qcompile grouped matmul panels bf16 pairs: expected bf16 rows and panels");
+  const bool out16 = out->element_type() == ffi::DataType::BF16;
+  if (rows.element_type() != ffi::DataType::BF16 || w.element_type() != ffi::DataType::BF16 ||
+      (out16 ? false : out->element_type() != ffi::DataType::F32 || swiglu))
+    return ffi::Error::InvalidArgument("qcompile grouped matmul panels bf16 pairs: expected bf16 rows and panels, "
+                                       "out f32 or bf16 (bf16 for swiglu)");
   return LaunchPanels(pool, nullptr, static_cast<const uint16_t*>(rows.untyped_data()), w.untyped_data(), true,
-                      rows.dimensions(), w.dimensions(), group_sizes, out->typed_data(), false);
+                      rows.dimensions(), w.dimensions(), group_sizes,
+                      out16 ? nullptr : static_cast<float*>(out->untyped_data()), swiglu,
+                      out16 ? static_cast<uint16_t*>(out->untyped_data()) : nullptr);
 #else
   return ffi::Error::InvalidArgument("qcompile grouped matmul panels bf16 pairs: built for a CPU without AVX512_BF16");
 #endif
+}
+
+ffi::Error GroupedMatmulPanelsBf16Pairs(ffi::ThreadPool pool, ffi::AnyBuffer rows, ffi::AnyBuffer w,
+                                        ffi::Buffer<ffi::S32> group_sizes, ffi::Result<ffi::AnyBuffer> out) {
+  return RunPanelsBf16Pairs(pool, rows, w, group_sizes, out, false);
+}
+
+ffi::Error GroupedMatmulSwigluPanelsBf16Pairs(ffi::ThreadPool pool, ffi::AnyBuffer rows, ffi::AnyBuffer w,
+                                              ffi::Buffer<ffi::S32> group_sizes, ffi::Result<ffi::AnyBuffer> out) {
+  return RunPanelsBf16Pairs(pool, rows, w, group_sizes, out, true);
 }
 
 ffi::Error GroupedMatmulF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> rows, ffi::Buffer<ffi::F32> w,
@@ -565,14 +602,19 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(QcompileGroupedMatmulSwigluPanelsF32, GroupedMatmu
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QcompileGroupedMatmulBf16, GroupedMatmulBf16, QCOMPILE_GROUPED_MATMUL_BF16_BINDING);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QcompileGroupedMatmulPanelsBf16, GroupedMatmulPanelsBf16,
                               QCOMPILE_GROUPED_MATMUL_BF16_BINDING);
-// rows[N,K] bf16, w[E,P,K,64] bf16, group_sizes[E] -> out f32.
+// rows[N,K] bf16, w[E,P,K,64] bf16, group_sizes[E] -> out f32 or bf16 (the swiglu entry point: bf16, [N, 32P]).
+#define QCOMPILE_GROUPED_MATMUL_PAIRS_BINDING \
+  ffi::Ffi::Bind()                           \
+      .Ctx<ffi::ThreadPool>()                \
+      .Arg<ffi::AnyBuffer>()                 \
+      .Arg<ffi::AnyBuffer>()                 \
+      .Arg<ffi::Buffer<ffi::S32>>()          \
+      .Ret<ffi::AnyBuffer>()
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QcompileGroupedMatmulPanelsBf16Pairs, GroupedMatmulPanelsBf16Pairs,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                              QCOMPILE_GROUPED_MATMUL_PAIRS_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QcompileGroupedMatmulSwigluPanelsBf16Pairs, GroupedMatmulSwigluPanelsBf16Pairs,
+                              QCOMPILE_GROUPED_MATMUL_PAIRS_BINDING);
 
 // rows[N,K] f32, w[E,K,Nout] e4m3fn (taken as bytes), scale[E,KB,NB] f32, group_sizes[E]; attrs block_k, block_n -> out.
 #define QCOMPILE_GROUPED_MATMUL_FP8_BINDING            \
@@ -589,8 +631,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(QcompileGroupedMatmulPanelsBf16Pairs, GroupedMatmu
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QcompileGroupedMatmulFp8, GroupedMatmulFp8, QCOMPILE_GROUPED_MATMUL_FP8_BINDING);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QcompileGroupedMatmulSwigluFp8, GroupedMatmulSwigluFp8,
                               QCOMPILE_GROUPED_MATMUL_FP8_BINDING);
-// rows[N,K] f32 (or bf16: pair tiles, no SwiGLU), w[E,P,K,64] e4m3fn panels, scale[E,PB,KB] f32, group_sizes[E];
-// attrs block_p, block_k, bf16_weights (nonzero: each weight rounded to bf16 once dequantized) -> out.
+// rows[N,K] f32 (or bf16: pair tiles), w[E,P,K,64] e4m3fn panels, scale[E,PB,KB] f32, group_sizes[E]; attrs block_p,
+// block_k, bf16_weights (nonzero: each weight rounded to bf16 once dequantized) -> out f32 (no SwiGLU for bf16 rows),
+// or bf16 with bf16_weights (SwiGLU as a bf16 graph rounds it).
 #define QCOMPILE_GROUPED_MATMUL_PANELS_FP8_BINDING     \
   ffi::Ffi::Bind()                                    \
       .Ctx<ffi::ThreadPool>()                         \
@@ -598,7 +641,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(QcompileGroupedMatmulSwigluFp8, GroupedMatmulSwigl
       .Arg<ffi::AnyBuffer>()                          \
       .Arg<ffi::Buffer<ffi::F32>>()                   \
       .Arg<ffi::Buffer<ffi::S32>>()                   \
-      .Ret<ffi::Buffer<ffi::F32>>()                   \
+      .Ret<ffi::AnyBuffer>()                          \
       .Attr<int64_t>("block_p")                       \
       .Attr<int64_t>("block_k")                       \
       .Attr<int64_t>("bf16_weights")
