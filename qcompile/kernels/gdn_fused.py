@@ -8,7 +8,7 @@ bf16-state pass); they are computed in f32 and rounded once when stored. Padding
 
 `gdn_fused_reference` composes the unfused ops' reference functions — the definition. `gdn_fused_cpu` runs the
 native kernel (kernels/native/gdn_fused_f32.cc: one pass per token over the item's channels and states, each state
-read once and written once per step, in place) when x is f32, and the unfused CPU rules otherwise.
+read once and written once per step, in place) when x is f32 or bf16, and the unfused CPU rules otherwise.
 """
 
 from __future__ import annotations
@@ -21,7 +21,9 @@ from qcompile.kernels.causal_conv1d import causal_conv1d_cpu, causal_conv1d_refe
 from qcompile.kernels.gdn import gdn_chunked_reference, gdn_recurrence_cpu, gdn_recurrent_reference, normalized_heads
 from qcompile.kernels.ragged import token_layout
 
-NATIVE = {"f32": "qcompile_gdn_fused_f32", "bf16": "qcompile_gdn_fused_bf16_state"}
+# the native entry point by the states' dtypes: both f32, both bf16, or a bf16 conv state with an f32 recurrent state
+NATIVE = {"f32": "qcompile_gdn_fused_f32", "bf16": "qcompile_gdn_fused_bf16_state",
+          "bf16_conv": "qcompile_gdn_fused_bf16_conv"}
 
 
 def gates(a, b, a_log, dt_bias):
@@ -64,28 +66,33 @@ def gdn_fused_reference(x, a, b, conv_state, conv_w, a_log, dt_bias, state, quer
 
 
 def gdn_fused_native(x, a, b, conv_state, conv_w, a_log, dt_bias, state, query_start, state_slots):
-    """The native kernel (both states in one dtype, f32 or bf16; everything else f32). Call only after
+    """The native kernel (the states f32 or bf16, computed in f32; a bf16 x — a bf16 graph — has the
+    conv's output, SiLU and β rounded to bf16 in the kernel as the reference's bf16 ops round them). Call only after
     `native.ensure(NATIVE[dtype])` returned True."""
     f32 = jnp.float32
     out_types = (jax.ShapeDtypeStruct((x.shape[0], *state.shape[1:2], state.shape[3]), f32),
                  jax.ShapeDtypeStruct(conv_state.shape, conv_state.dtype), jax.ShapeDtypeStruct(state.shape, state.dtype))
-    name = NATIVE["f32" if state.dtype == jnp.float32 else "bf16"]
+    name = NATIVE[native_dtype(x, conv_state, state)]
     call = jax.ffi.ffi_call(name, out_types, input_output_aliases={3: 1, 7: 2})
     return call(x.astype(f32), a.astype(f32), b.astype(f32), conv_state, conv_w.astype(f32), a_log.astype(f32),
-                dt_bias.astype(f32), state, query_start.astype(jnp.int32), state_slots.astype(jnp.int32))
+                dt_bias.astype(f32), state, query_start.astype(jnp.int32), state_slots.astype(jnp.int32),
+                bf16_graph=int(x.dtype == jnp.bfloat16))
 
 
 def native_dtype(x, conv_state, state) -> str | None:
-    """The native kernel's variant for these operands, or None (x not f32, or the two states of different dtypes)."""
-    if x.dtype != jnp.float32 or conv_state.dtype != state.dtype:
+    """The native kernel's variant for these operands (a key of NATIVE), or None: x neither f32 nor bf16, or states
+    of other dtypes."""
+    if x.dtype not in (jnp.float32, jnp.bfloat16):
         return None
-    return {jnp.dtype(jnp.float32): "f32", jnp.dtype(jnp.bfloat16): "bf16"}.get(jnp.dtype(state.dtype))
+    return {(jnp.dtype(jnp.float32),) * 2: "f32", (jnp.dtype(jnp.bfloat16),) * 2: "bf16",
+            (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)): "bf16_conv"}.get(
+        (jnp.dtype(conv_state.dtype), jnp.dtype(state.dtype)))
 
 
 def gdn_fused_cpu(x, a, b, conv_state, conv_w, a_log, dt_bias, state, query_start, state_slots,
                   mode: str = "auto", chunk: int = 64):
-    """gdn_fused_reference's contract on CPU: the native kernel for f32 activations ("auto" mode; the explicit modes
-    are honoured as the reference computes them), else the unfused CPU rules one after another."""
+    """gdn_fused_reference's contract on CPU: the native kernel for f32 or bf16 activations ("auto" mode; the explicit
+    modes are honoured as the reference computes them), else the unfused CPU rules one after another."""
     variant = native_dtype(x, conv_state, state)
     if mode == "auto" and variant is not None and native.ensure(NATIVE[variant]):
         out, new_conv, new_state = gdn_fused_native(x, a, b, conv_state, conv_w, a_log, dt_bias, state, query_start,

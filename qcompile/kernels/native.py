@@ -67,6 +67,7 @@ KERNELS = {
     "qcompile_gdn_recurrent_bf16_state": ("gdn_recurrent_f32.cc", "QcompileGdnRecurrentBf16State"),
     "qcompile_gdn_fused_f32": ("gdn_fused_f32.cc", "QcompileGdnFusedF32"),
     "qcompile_gdn_fused_bf16_state": ("gdn_fused_f32.cc", "QcompileGdnFusedBf16State"),
+    "qcompile_gdn_fused_bf16_conv": ("gdn_fused_f32.cc", "QcompileGdnFusedBf16Conv"),
     "qcompile_zero_slot": ("zero_slot.cc", "QcompileZeroSlot"),
     "qcompile_scatter_rows": ("cache_rows.cc", "QcompileScatterRows"),
     "qcompile_kv_gather_f32": ("cache_rows.cc", "QcompileKvGatherF32"),

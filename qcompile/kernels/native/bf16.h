@@ -72,11 +72,29 @@ inline v16 exp16_to_inf(v16 x) {
 // halves (kernels/grouped_matmul.py swiglu_halves: jax.nn.silu on bf16, then the product): g and u rounded to bf16,
 // then every op in f32 and rounded to bf16 after it — e^-g, 1 + e^-g, 1 / (1 + e^-g), g · that, · u. An epilogue
 // that rounded only its result would round in other places than the reference, which in a deep bf16 MoE flips routes.
+// sigmoid(x) = 1 / (1 + e^-x) of bf16 values x as a bf16 graph computes it, each op rounded to bf16.
+inline v16 sigmoid_bf16_values(v16 x) { return round16(1.0f / round16(round16(exp16_to_inf(-x)) + 1.0f)); }
+
 inline v16 swiglu_bf16_values(v16 gate, v16 up) {
   const v16 g = round16(gate), u = round16(up);
-  const v16 e = round16(exp16_to_inf(-g));
-  const v16 sigmoid = round16(1.0f / round16(e + 1.0f));
-  return round16(g * sigmoid) * u;  // narrow16 rounds the last product
+  return round16(g * sigmoid_bf16_values(g)) * u;  // narrow16 rounds the last product
+}
+
+// y = silu(y rounded to bf16) over n floats, as a bf16 graph computes jax.nn.silu (every op rounded to bf16; the
+// values stay f32 holding bf16 values).
+inline void silu_bf16_inplace(float* y, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const v16 g = round16(load(y + i));
+    store(y + i, round16(g * sigmoid_bf16_values(g)));
+  }
+  if (i < n) {
+    float tail[16] = {};
+    std::memcpy(tail, y + i, sizeof(float) * (n - i));
+    const v16 g = round16(load(tail));
+    store(tail, round16(g * sigmoid_bf16_values(g)));
+    std::memcpy(y + i, tail, sizeof(float) * (n - i));
+  }
 }
 
 inline void swiglu_bf16(const float* gate, const float* up, uint16_t* dst, int64_t n) {

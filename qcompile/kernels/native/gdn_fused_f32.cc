@@ -4,11 +4,14 @@
 //
 // Inputs (ir/ops/gdn.py GatedDeltaNet's contract):
 //   x [T, C] f32 (the in_proj_qkv output, columns [q: Hk·dk | k: Hk·dk | v: Hv·dv]), a, b [T, Hv] f32,
+//   (attr bf16_graph: x, a, b are a bf16 graph's values widened; the conv's sum is rounded to bf16 and SiLU and β's
+//   sigmoid computed as that graph's bf16 ops round them, bf16.h — the rest is f32 there too),
 //   conv_state [S, C, K-1], conv_w [C, K] f32, A_log, dt_bias [Hv] f32, state [S, Hv, dk, dv],
 //   query_start [B+1], state_slots [B].
 // Outputs: o [T, Hv, dv] f32, the new conv state and the new recurrent state, both aliasing their inputs (updated
-// in place). Two entry points: states in f32, and states in bf16 (the bf16-state pass), read into f32 at the start
-// of a sequence's tokens and rounded once (to nearest even) when they are written back — computed in f32 throughout.
+// in place). Three entry points: states in f32; states in bf16 (the bf16-state pass), read into f32 at the start
+// of a sequence's tokens and rounded once (to nearest even) when they are written back — computed in f32 throughout;
+// and a bf16 conv state with an f32 recurrent state (a bf16 graph's caches).
 //
 // Per token of sequence b (slot s = state_slots[b]), per channel c: y_c = silu(Σ_j w[c,j]·x_{t-K+1+j, c}) with the
 // taps before the sequence's first new token read from conv_state[s] (column K-2 the most recent); then
@@ -50,18 +53,23 @@ inline void store(uint16_t* p, float f) { qcompile_native::narrow(&f, p, 1); }
 
 inline float softplus(float x) { return x > 0.0f ? x + std::log1p(std::exp(-x)) : std::log1p(std::exp(x)); }
 
-template <class StateT>
+// sigmoid(x) of a bf16 value as a bf16 graph computes it (bf16.h sigmoid_bf16_values, lane 0).
+inline float bf16_sigmoid(float x) { return qcompile_native::sigmoid_bf16_values(qcompile_native::splat(x))[0]; }
+
+template <class ConvT, class StateT>
 struct Job {
   const float *x, *a, *b, *conv_wt, *a_log, *dt_bias;  // conv_wt: the conv weights transposed, [K][C]
-  StateT *conv_state, *state;
-  const StateT* const* conv_read;  // per sequence: the conv history it starts from ([C][K-1]), as stored before the call
+  ConvT* conv_state;
+  StateT* state;
+  const ConvT* const* conv_read;  // per sequence: the conv history it starts from ([C][K-1]), as stored before the call
   float* out;
   const int32_t *query_start, *slots;
   int64_t t, c, k, s, hk, hv, dk, dv, nseq;
+  bool bf16_graph;  // x, a, b hold bf16 values: the conv output and SiLU, and β, rounded as a bf16 graph rounds them
 };
 
-template <class StateT>
-void run_item(const Job<StateT>& j, int64_t item) {
+template <class ConvT, class StateT>
+void run_item(const Job<ConvT, StateT>& j, int64_t item) {
   const int64_t seq = item / j.hk, kh = item % j.hk;
   const int64_t t0 = std::clamp<int64_t>(j.query_start[seq], 0, j.t);
   const int64_t t1 = std::clamp<int64_t>(j.query_start[seq + 1], t0, j.t);
@@ -88,7 +96,7 @@ void run_item(const Job<StateT>& j, int64_t item) {
   for (int64_t m = 0; m < j.k; ++m) gather(j.conv_wt + m * j.c, wt.data() + m * nch);
   for (int r = 0; r < 3; ++r)
     for (int64_t i = 0; i < count[r]; ++i) {
-      const StateT* cs = j.conv_read[seq] + (first[r] + i) * width;
+      const ConvT* cs = j.conv_read[seq] + (first[r] + i) * width;
       for (int64_t m = 0; m < width; ++m) window[m * nch + offset[r] + i] = load(cs + m);
     }
   // The value heads' states: used where they lie when f32, or when bf16 and the sequence has one token this step
@@ -119,7 +127,10 @@ void run_item(const Job<StateT>& j, int64_t item) {
       const float* xm = window.data() + m * nch;
       for (int64_t i = 0; i < nch; ++i) y[i] += wm[i] * xm[i];
     }
-    qcompile_native::silu_inplace(y.data(), nch);
+    if (j.bf16_graph)
+      qcompile_native::silu_bf16_inplace(y.data(), nch);  // the conv's f32 sum rounded, then SiLU's ops
+    else
+      qcompile_native::silu_inplace(y.data(), nch);
     if (width > 0) {  // shift the window by one column, the current token last
       std::memmove(window.data(), window.data() + nch, sizeof(float) * (width - 1) * nch);
       std::memcpy(window.data() + (width - 1) * nch, xc.data(), sizeof(float) * nch);
@@ -137,7 +148,8 @@ void run_item(const Job<StateT>& j, int64_t item) {
       const int64_t h = kh * ratio + r;
       const float* vt = y.data() + 2 * dk + r * dv;
       const float g = -std::exp(j.a_log[h]) * softplus(j.a[t * j.hv + h] + j.dt_bias[h]);
-      const float e = std::exp(g), beta = 1.0f / (1.0f + std::exp(-j.b[t * j.hv + h]));
+      const float bt = j.b[t * j.hv + h];
+      const float e = std::exp(g), beta = j.bf16_graph ? bf16_sigmoid(bt) : 1.0f / (1.0f + std::exp(-bt));
       float* ot = j.out + (t * j.hv + h) * dv;
       if (direct)
         qcompile_native::delta_rule_token(stored + r * per_head, kv, qv, vt, e, beta, dk, dv, ot, kst.data(),
@@ -150,18 +162,19 @@ void run_item(const Job<StateT>& j, int64_t item) {
   if (!in_range) return;
   for (int r = 0; r < 3; ++r)
     for (int64_t i = 0; i < count[r]; ++i) {
-      StateT* cs = j.conv_state + (slot * j.c + first[r] + i) * width;
+      ConvT* cs = j.conv_state + (slot * j.c + first[r] + i) * width;
       for (int64_t m = 0; m < width; ++m) store(cs + m, window[m * nch + offset[r] + i]);
     }
   if (!direct) qcompile_native::narrow(states, stored, ratio * per_head);
 }
 
-template <ffi::DataType SD>
+template <ffi::DataType CD, ffi::DataType SD>
 ffi::Error GdnFused(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::F32> b,
-                    ffi::Buffer<SD> conv_state, ffi::Buffer<ffi::F32> conv_w, ffi::Buffer<ffi::F32> a_log,
+                    ffi::Buffer<CD> conv_state, ffi::Buffer<ffi::F32> conv_w, ffi::Buffer<ffi::F32> a_log,
                     ffi::Buffer<ffi::F32> dt_bias, ffi::Buffer<SD> state, ffi::Buffer<ffi::S32> query_start,
-                    ffi::Buffer<ffi::S32> slots, ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<SD> new_conv,
-                    ffi::ResultBuffer<SD> new_state) {
+                    ffi::Buffer<ffi::S32> slots, ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<CD> new_conv,
+                    ffi::ResultBuffer<SD> new_state, int64_t bf16_graph) {
+  using ConvT = ffi::NativeType<CD>;
   using StateT = ffi::NativeType<SD>;
   const auto xd = x.dimensions(), ad = a.dimensions(), csd = conv_state.dimensions(), wd = conv_w.dimensions();
   const auto sd = state.dimensions(), qsd = query_start.dimensions(), sld = slots.dimensions(), od = out->dimensions();
@@ -182,26 +195,26 @@ ffi::Error GdnFused(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
   std::vector<float> conv_wt(conv_w.element_count());  // [C][K] -> [K][C], once per call (C·K floats)
   for (int64_t c = 0; c < wd[0]; ++c)
     for (int64_t m = 0; m < wd[1]; ++m) conv_wt[m * wd[0] + c] = conv_w.typed_data()[c * wd[1] + m];
-  std::vector<const StateT*> conv_read(sld[0]);
-  Job<StateT> j{x.typed_data(), a.typed_data(), b.typed_data(), conv_wt.data(), a_log.typed_data(),
+  std::vector<const ConvT*> conv_read(sld[0]);
+  Job<ConvT, StateT> j{x.typed_data(), a.typed_data(), b.typed_data(), conv_wt.data(), a_log.typed_data(),
                 dt_bias.typed_data(), new_conv->typed_data(), new_state->typed_data(), conv_read.data(),
                 out->typed_data(), query_start.typed_data(), slots.typed_data(), xd[0], xd[1], wd[1], sd[0],
-                (xd[1] - sd[1] * sd[3]) / (2 * sd[2]), sd[1], sd[2], sd[3], sld[0]};
+                (xd[1] - sd[1] * sd[3]) / (2 * sd[2]), sd[1], sd[2], sd[3], sld[0], bf16_graph != 0};
   if (j.conv_state != conv_state.typed_data())  // not aliased: start from the inputs
-    std::memcpy(j.conv_state, conv_state.typed_data(), sizeof(StateT) * conv_state.element_count());
+    std::memcpy(j.conv_state, conv_state.typed_data(), sizeof(ConvT) * conv_state.element_count());
   if (j.state != state.typed_data())
     std::memcpy(j.state, state.typed_data(), sizeof(StateT) * state.element_count());
   // A sequence with an out-of-range slot starts from the clamped slot's conv history as stored before this call
   // (as the reference does) and stores nothing; that slot may belong to another sequence of the batch, which
   // updates it in place meanwhile, so those histories are copied first (C·(K-1) values each; never in a served batch).
   const int64_t block = j.c * (j.k - 1);
-  std::vector<StateT> snapshots;
+  std::vector<ConvT> snapshots;
   for (int64_t seq = 0; seq < j.nseq; ++seq) {
     const int64_t slot = j.slots[seq];
     if (slot >= 0 && slot < j.s) {
       conv_read[seq] = j.conv_state + slot * block;
     } else if (j.query_start[seq + 1] > j.query_start[seq]) {
-      const StateT* from = j.conv_state + std::clamp<int64_t>(slot, 0, j.s - 1) * block;
+      const ConvT* from = j.conv_state + std::clamp<int64_t>(slot, 0, j.s - 1) * block;
       snapshots.insert(snapshots.end(), from, from + block);
     }
   }
@@ -218,13 +231,13 @@ ffi::Error GdnFused(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
 
 }  // namespace
 
-#define QCOMPILE_GDN_FUSED_BINDING(SD)           \
+#define QCOMPILE_GDN_FUSED_BINDING(CD, SD)       \
   ffi::Ffi::Bind()                               \
       .Ctx<ffi::ThreadPool>()                    \
       .Arg<ffi::Buffer<ffi::F32>>() /* x */      \
       .Arg<ffi::Buffer<ffi::F32>>() /* a */      \
       .Arg<ffi::Buffer<ffi::F32>>() /* b */      \
-      .Arg<ffi::Buffer<SD>>() /* conv_state */   \
+      .Arg<ffi::Buffer<CD>>() /* conv_state */   \
       .Arg<ffi::Buffer<ffi::F32>>() /* conv_w */ \
       .Arg<ffi::Buffer<ffi::F32>>() /* A_log */  \
       .Arg<ffi::Buffer<ffi::F32>>() /* dt_bias */\
@@ -232,8 +245,15 @@ ffi::Error GdnFused(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
       .Arg<ffi::Buffer<ffi::S32>>()              \
       .Arg<ffi::Buffer<ffi::S32>>()              \
       .Ret<ffi::Buffer<ffi::F32>>()              \
+      .Ret<ffi::Buffer<CD>>()                    \
       .Ret<ffi::Buffer<SD>>()                    \
-      .Ret<ffi::Buffer<SD>>()
+      .Attr<int64_t>("bf16_graph")
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(QcompileGdnFusedF32, GdnFused<ffi::F32>, QCOMPILE_GDN_FUSED_BINDING(ffi::F32));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(QcompileGdnFusedBf16State, GdnFused<ffi::BF16>, QCOMPILE_GDN_FUSED_BINDING(ffi::BF16));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QcompileGdnFusedF32, (GdnFused<ffi::F32, ffi::F32>),
+                              QCOMPILE_GDN_FUSED_BINDING(ffi::F32, ffi::F32));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QcompileGdnFusedBf16State, (GdnFused<ffi::BF16, ffi::BF16>),
+                              QCOMPILE_GDN_FUSED_BINDING(ffi::BF16, ffi::BF16));
+// A bf16 graph's caches without the bf16-state pass: the conv state (pre-conv bf16 values) in bf16, the recurrent
+// state in f32.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QcompileGdnFusedBf16Conv, (GdnFused<ffi::BF16, ffi::F32>),
+                              QCOMPILE_GDN_FUSED_BINDING(ffi::BF16, ffi::F32));
