@@ -112,9 +112,9 @@ def fp8_panels_fit(x, wp) -> bool:
 def linear_panels_fp8_native(x, wp: QuantizedWeight):
     """The native panel kernel on FP8 panels (values [P, K, 64], scale [ceil(P/bp), ceil(K/bk), 1]): each k block of
     a panel dequantized into an L1-resident f32 block (for a bf16 weight each value rounded to bf16 as the reference's
-    dequantize rounds it, the block as bf16 pairs on VDPBF16PS where the CPU has AVX512_BF16 and K is even, else the
-    activations widened exactly; the f32 result rounded once); call only after
-    `native.ensure(NATIVE_PANELS_FP8)`."""
+    dequantize rounds it, the block as bf16 pairs on VDPBF16PS where the CPU has AVX512_BF16 and K is even — from 24
+    rows an item the whole panel once, for tiles over all of K —, else the activations widened exactly; the f32
+    result rounded once); call only after `native.ensure(NATIVE_PANELS_FP8)`."""
     p, k, c = wp.shape
     rows = math.prod(x.shape[:-1])
     if rows == 0:

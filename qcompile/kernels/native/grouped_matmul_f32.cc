@@ -31,6 +31,10 @@
 // bf16 weights (the ...Bf16 entry point, a bf16 checkpoint's experts: w is bf16 [E, K, Nout]): each slab is widened
 // into the same per-thread buffer the same way (two bytes a weight from memory; items of few rows, at decode, read
 // the bf16 weights where they lie and widen them in registers instead); rows and out stay f32.
+// bf16 results (the bf16 pair entry points and the FP8 panels of a bf16 graph, a bf16 result buffer): each item's
+// product goes through a per-thread f32 scratch and is rounded once into the result, or with SwiGLU (the
+// ...SwigluPanelsBf16Pairs entry point, the FP8 one with bf16_weights) the halves are computed as a bf16 graph's ops
+// round them (bf16.h swiglu_bf16) — no f32 product or XLA conversion through memory.
 
 #include <algorithm>
 #include <cmath>
