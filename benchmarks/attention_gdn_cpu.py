@@ -1,6 +1,6 @@
 """CPU kernels vs their jnp references: paged attention, GDN recurrence, causal conv1d (ms per call).
 
-    python benchmarks/attention_gdn_cpu.py [--repeat 7] [--only attention,decode,gdn,conv]
+    python benchmarks/attention_gdn_cpu.py [--repeat 7] [--only attention,decode,prefill,gdn,conv]
 
 Bench-preset shapes (docs/bench_preset.md): attention Hq 8 / Hkv 2 / hd 128, page size 16; GDN Hv 8, dk = dv = 128;
 conv C = 2·4·128 + 8·128 = 2048, K = 4; all f32. Each entry is the minimum over --repeat rounds of the mean of a
@@ -122,6 +122,32 @@ def bench_decode_attention(rng, repeat):
                       f"{err:.1e} |", flush=True)
 
 
+def bench_prefill_attention(rng, repeat):
+    """Prefill rows (query tiles of sequences with ≥ 2 new tokens): the jnp rule's while loop over tiles and 64-key
+    blocks (forced with prefill_block_pages=4) against the native kernel's register-tiled path (every tile in one
+    call)."""
+    import ml_dtypes
+
+    scale = HD**-0.5
+    jnp_tiles = jax.jit(lambda *a: paged_attention_cpu(*a, scale, prefill_block_pages=4))
+    native = jax.jit(lambda *a: paged_attention_cpu(*a, scale))
+    print("\n## prefill attention: jnp tiles vs the native kernel (Hq 8, Hkv 2, hd 128, page 16)\n")
+    print("| pages | new tokens | history | T | jnp tiles ms | native ms | speed-up | max rel err |")
+    print("|---|---|---|---|---|---|---|---|")
+    for dtype in ("f32", "bf16"):
+        for lengths, hist, num_tokens in (([128] * 4, [0] * 4, 512), ([512], [0], 512), ([512], [1536], 512),
+                                          ([512], [7680], 512)):
+            args = attention_case(rng, lengths, hist, num_tokens, 8192)
+            if dtype == "bf16":
+                args[1], args[2] = (a.astype(ml_dtypes.bfloat16) for a in args[1:3])
+            want, got = jnp_tiles(*args), native(*args)
+            err = float(jnp.max(jnp.abs(want - got)) / jnp.max(jnp.abs(want)))
+            t_jnp, t_native = timeit(jnp_tiles, args, repeat), timeit(native, args, repeat)
+            label = f"{len(lengths)}x{lengths[0]}" if len(lengths) > 1 else f"{lengths[0]}"
+            print(f"| {dtype} | {label} | {hist[0]} | {num_tokens} | {t_jnp:.2f} | {t_native:.2f} | "
+                  f"{t_jnp / t_native:.1f}x | {err:.1e} |", flush=True)
+
+
 def l2(x):
     return x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + 1e-6)
 
@@ -217,7 +243,8 @@ def main():
     parser.add_argument("--repeat", type=int, default=7)
     parser.add_argument("--only", default="attention,gdn,conv",
                         help="comma-separated parts: attention, decode (jnp blocks vs the native decode kernel), "
-                             "gdn (with the forms tables), gdn-main (without), conv")
+                             "prefill (jnp tiles vs the native kernel), gdn (with the forms tables), gdn-main "
+                             "(without), conv")
     opts = parser.parse_args()
     rng = np.random.default_rng(0)
     print(f"jax {jax.__version__}, backend {jax.default_backend()}, repeat {opts.repeat} (minimum taken)")
@@ -226,6 +253,8 @@ def main():
         bench_attention(rng, opts.repeat)
     if "decode" in parts:
         bench_decode_attention(rng, opts.repeat)
+    if "prefill" in parts:
+        bench_prefill_attention(rng, opts.repeat)
     if "gdn" in parts or "gdn-main" in parts:
         bench_gdn(rng, opts.repeat, forms="gdn" in parts)
     if "conv" in parts:

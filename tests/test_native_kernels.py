@@ -751,6 +751,36 @@ def test_paged_decode_attention_matches_the_jnp_blocks(dtype):
     assert not np.any(np.asarray(got)[3]) and np.any(np.asarray(got)[0])
 
 
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_paged_attention_kernel_on_prefill_tiles_matches_the_jnp_blocks(dtype):
+    """Items of many rows (a prefill tile's tokens times the GQA group: the kernel's register-tiled path): rows at
+    consecutive positions as a causal tile has them, rows past the sequence (-1: no key), a tile whose rows see only
+    part of the last block, head sizes past 64 that are not multiples of 16 (80: one 64-column pass and a scalar tail;
+    20: the tail only), keys over several 32-key blocks through shuffled pages."""
+    import ml_dtypes
+
+    from qcompile.kernels import cache_rows as rows_
+    from qcompile.kernels import paged_attention as pa
+
+    rng = np.random.default_rng(8)
+    np_dtype = np.float32 if dtype == "f32" else ml_dtypes.bfloat16
+    for hd, rows in ((80, 24), (20, 9), (128, 64)):
+        items, kv_heads, ps, per_seq, num_pages = 4, 2, 8, 16, 70
+        k_pages = jnp.asarray(rng.standard_normal((num_pages, ps, kv_heads, hd)).astype(np_dtype))
+        v_pages = jnp.asarray(rng.standard_normal((num_pages, ps, kv_heads, hd)).astype(np_dtype))
+        qi = jnp.asarray(rng.standard_normal((items, kv_heads, rows, hd)) * hd**-0.5, jnp.float32)
+        item_pages = jnp.asarray(rng.permutation(num_pages)[:items * per_seq].reshape(items, per_seq), jnp.int32)
+        start = np.array([0, 37, 100, 5])
+        row_pos = start[:, None] + np.arange(rows)[None, :] // 3  # three rows a token: a group of 3
+        row_pos[3, rows // 2:] = -1  # the tile runs past its sequence's last token
+        row_pos = jnp.asarray(row_pos, jnp.int32)
+        want = pa._flash_blocks(qi, row_pos, item_pages, rows_.page_reader(k_pages), rows_.page_reader(v_pages),
+                                jnp.int32(per_seq // 4), 4, ps)
+        got = np.asarray(jax.jit(pa._decode_native)(qi, row_pos, item_pages, k_pages, v_pages))
+        np.testing.assert_allclose(got, np.asarray(want), rtol=2e-5, atol=2e-5, err_msg=f"hd {hd}, rows {rows}")
+        assert not got[3, :, rows // 2:].any() and got[3, :, :rows // 2].any()
+
+
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="AVX512_BF16 is an x86-64 extension")
 def test_bf16_pairs_need_the_cpu_flag_and_a_compiler_that_enables_it(monkeypatch, tmp_path):
     """The pair kernels run only where /proc/cpuinfo lists avx512_bf16 and the C++ compiler's -march=native defines

@@ -102,6 +102,34 @@ def _decode_native(qi, row_pos, item_pages, k_pages, v_pages):
     return call(qi, k_pages, v_pages, item_pages.astype(jnp.int32), row_pos.astype(jnp.int32))
 
 
+def _prefill_native(qf, positions, query_start, page_table, lay, offsets, k_pages, v_pages, tile: int):
+    """The multi-token sequences' rows by the native kernel in one call: every query tile of `tile` tokens (tile w
+    of sequence b, offsets[b] <= w < offsets[b+1]) is an item whose rows are its tokens' GQA groups, each row seeing
+    the keys up to its own position (the kernel's register-tiled path for many rows). The tiles are laid out
+    statically — at most T // tile + B of them — and the tiles past offsets[B] see no key. Returns [T, Hq, hd] f32
+    (rows of one-token sequences and padding: whatever the tile layout gives; the caller selects)."""
+    num_tokens, num_heads, head_dim = qf.shape
+    num_seqs = page_table.shape[0]
+    kv_heads = k_pages.shape[2]
+    group = num_heads // kv_heads
+    items = num_tokens // tile + num_seqs
+    w = jnp.arange(items, dtype=jnp.int32)
+    b = jnp.clip(jnp.searchsorted(offsets[:-1], w, side="right").astype(jnp.int32) - 1, 0, num_seqs - 1)
+    first = (w - offsets[b]) * tile
+    tok = query_start[b][:, None] + first[:, None] + jnp.arange(tile, dtype=jnp.int32)[None, :]  # [W, tile]
+    live = (w < offsets[-1])[:, None] & (first[:, None] + jnp.arange(tile)[None, :] < lay.lengths[b][:, None])
+    tok_c = jnp.clip(tok, 0, num_tokens - 1)
+    qi = qf[tok_c].reshape(items, tile, kv_heads, group, head_dim)
+    qi = jnp.moveaxis(qi, 2, 1).reshape(items, kv_heads, tile * group, head_dim)
+    row_pos = jnp.repeat(jnp.where(live, positions[tok_c], -1), group, axis=1)  # [W, tile·group]: token-major rows
+    o = _decode_native(qi, row_pos, page_table[b], k_pages, v_pages)
+    o = jnp.moveaxis(o.reshape(items, kv_heads, tile, group, head_dim), 1, 2).reshape(items * tile, num_heads, head_dim)
+    # token t of a multi-token sequence sits in tile offsets[seq] + local // tile, row local % tile
+    local = lay.local
+    where = jnp.clip(offsets[lay.seq] + local // tile, 0, items - 1) * tile + local % tile
+    return o[where]
+
+
 def _num_blocks(max_pos, block: int, limit: int):
     return jnp.clip((max_pos + block) // block, 1, limit)
 
@@ -133,8 +161,9 @@ def paged_attention_cpu(q, k_pages, v_pages, positions, query_start, page_table,
     lay = token_layout(query_start, num_tokens)
     qf = q.astype(jnp.float32) * scale
     read_k, read_v = page_reader(k_pages), page_reader(v_pages)
-    native_decode = (k_pages.dtype in (jnp.float32, jnp.bfloat16) and decode_block_pages is None
-                     and native.ensure(NATIVE_DECODE))
+    native_kernel = k_pages.dtype in (jnp.float32, jnp.bfloat16) and native.ensure(NATIVE_DECODE)
+    native_decode = native_kernel and decode_block_pages is None
+    native_prefill = native_kernel and prefill_block_pages is None
 
     def vectorised(tok, seq, ok):
         """Items = single tokens `tok` [W] of sequences `seq` [W] (ok [W]: is a live token) -> [W,Hq,hd]."""
@@ -179,9 +208,13 @@ def paged_attention_cpu(q, k_pages, v_pages, positions, query_start, page_table,
             buf = jax.lax.dynamic_update_slice_in_dim(buf, jnp.where(live[:, None, None], o, old), start, 0)
             return w + 1, buf
 
-        buf = jnp.zeros((num_tokens + tile, num_heads, head_dim), jnp.float32)
-        _, buf = jax.lax.while_loop(lambda c: c[0] < offsets[-1], tile_body, (jnp.int32(0), buf))
-        out = jnp.where(single[lay.seq][:, None, None], dec[lay.seq], buf[:num_tokens])
+        if native_prefill:
+            tiled = _prefill_native(qf, positions, query_start, page_table, lay, offsets, k_pages, v_pages, tile)
+            out = jnp.where(single[lay.seq][:, None, None], dec[lay.seq], tiled)
+        else:
+            buf = jnp.zeros((num_tokens + tile, num_heads, head_dim), jnp.float32)
+            _, buf = jax.lax.while_loop(lambda c: c[0] < offsets[-1], tile_body, (jnp.int32(0), buf))
+            out = jnp.where(single[lay.seq][:, None, None], dec[lay.seq], buf[:num_tokens])
     pad = read_v(page_table[num_seqs - 1, :1][None])[0, 0]  # [Hkv,hd]: the reference's padding row
     out = jnp.where(lay.valid[:, None, None], out, jnp.repeat(pad, group, axis=0)[None])
     return out.astype(q.dtype)
