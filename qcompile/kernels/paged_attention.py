@@ -145,8 +145,10 @@ def paged_attention_cpu(q, k_pages, v_pages, positions, query_start, page_table,
       pages, default blocks), each (item, KV head) streams its own live keys once (kernels/native/
       paged_attention_f32.cc); otherwise all items advance together, up to the largest position in the batch.
     - T > B: tokens of one-token sequences (decode rows of a mixed batch) go as above (≤ B items, vectorised); the
-      sequences with ≥ 2 tokens are cut into query tiles of `tile` tokens, processed one tile at a time (a while_loop
-      over a traced count), each tile walking only the KV blocks up to its own last position (causal skip).
+      sequences with ≥ 2 tokens are cut into query tiles of `tile` tokens: where the native kernel is built (f32 or
+      bf16 pages, default blocks) every tile is an item of one call (_prefill_native, the kernel's register-tiled
+      path), else they are processed one tile at a time (a while_loop over a traced count); each tile walks only the
+      KV blocks up to its own last position (causal skip).
     Blocks are read through page_reader, so no step widens (or copies) the whole bf16 cache. Padding rows get the
     reference's value (attention to key 0 of sequence B-1). Defaults (measured on CPU at the
     bench preset, docs/cpu_rules_attention.md): decode blocks of 32 keys, prefill tiles of 32 tokens and blocks of

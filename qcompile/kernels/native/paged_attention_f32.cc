@@ -1,6 +1,7 @@
-// qcompile's native CPU paged attention for decode rows (flash decoding over the live pages), an XLA FFI custom call.
-// Built and registered by qcompile/kernels/native.py; paged_attention_cpu (kernels/paged_attention.py) calls it for
-// the one-token rows of a step (decode batches and the decode rows of mixed ones).
+// qcompile's native CPU paged attention (flash decoding over the live pages), an XLA FFI custom call. Built and
+// registered by qcompile/kernels/native.py; paged_attention_cpu (kernels/paged_attention.py) calls it for the
+// one-token rows of a step (decode batches and the decode rows of mixed ones, a GQA group of rows an item) and for
+// the query tiles of its multi-token sequences (a tile's tokens times the group: the register-tiled path).
 //
 // Contract (_flash_blocks' in kernels/paged_attention.py): q f32[W, Hkv, R, hd] (already scaled; the R query rows
 // of an item and KV head: a GQA group), k_pages and v_pages [P, ps, Hkv, hd] f32 or bf16, item_pages i32[W, M] (the
