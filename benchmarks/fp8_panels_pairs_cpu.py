@@ -56,7 +56,7 @@ def main() -> None:
 
     def projection(x, v, s):
         return jax.ffi.ffi_call(lin.NATIVE_PANELS_FP8, jax.ShapeDtypeStruct((x.shape[0], K), jnp.float32))(
-            x, v, s, block_p=2, block_k=128, bf16_weights=1).astype(jnp.bfloat16)
+            x, v, s, block_p=2, block_k=128, bf16_weights=1, swiglu=0).astype(jnp.bfloat16)
 
     def moe_step(pairs: bool):
         cast = (lambda a: a) if pairs else (lambda a: a.astype(jnp.float32))

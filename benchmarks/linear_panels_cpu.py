@@ -75,7 +75,7 @@ def fma_panels_bf16(x, wp):
     """The FMA panel kernel on bf16 panels whatever the row count (the rule's choice below AMX_MIN_ROWS)."""
     p, k, c = wp.shape
     call = jax.ffi.ffi_call(lin.NATIVE_PANELS_BF16, jax.ShapeDtypeStruct((x.shape[0], p * c), jnp.float32))
-    return call(x.astype(jnp.float32), wp).astype(x.dtype)
+    return call(x.astype(jnp.float32), wp, swiglu=0).astype(x.dtype)
 
 
 def main_bf16(args) -> None:

@@ -11,6 +11,7 @@ summing past N (clipped), padding rows (must come back 0) and N = 0.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import os
@@ -270,18 +271,30 @@ def test_linear_fp8_panels_equal_the_f32_panel_kernel_on_the_dequantized_weights
         want = np.asarray(f32(x, weight.dequantize()))
         np.testing.assert_array_equal(got, want, err_msg=f"x {x.shape}, {p} panels, blocks {bp} x {bk}")
         # a bf16 graph's: each weight rounded to bf16 in the kernel = the bf16 panel kernel on the bf16 dequantize
-        raw = jax.ffi.ffi_call(lin.NATIVE_PANELS_FP8, jax.ShapeDtypeStruct((t, 64 * p), jnp.float32))(
-            x, weight.values, jnp.asarray(scale[..., 0]), block_p=bp, block_k=bk, bf16_weights=1)
+        fp8 = functools.partial(jax.ffi.ffi_call(lin.NATIVE_PANELS_FP8, jax.ShapeDtypeStruct((t, 64 * p), jnp.float32)),
+                                block_p=bp, block_k=bk, bf16_weights=1, swiglu=0)
+        raw = fp8(x, weight.values, jnp.asarray(scale[..., 0]))
         w16 = QuantizedWeight(weight.values, weight.scale, weight.block, jnp.bfloat16).dequantize()
-        ref16 = jax.ffi.ffi_call(lin.NATIVE_PANELS_BF16, jax.ShapeDtypeStruct((t, 64 * p), jnp.float32))(x, w16)
+        ref16 = jax.ffi.ffi_call(lin.NATIVE_PANELS_BF16, jax.ShapeDtypeStruct((t, 64 * p), jnp.float32))(
+            x, w16, swiglu=0)
         np.testing.assert_array_equal(np.asarray(raw), np.asarray(ref16), err_msg=f"bf16 x {x.shape}")
+        # the bf16 result: rounded once, or (p even: [gate ; up]) SwiGLU's halves as the reference's bf16 ops
+        for swiglu in (False, True)[:1 + (p % 2 == 0)]:
+            shape16 = jax.ShapeDtypeStruct((t, (32 if swiglu else 64) * p), jnp.bfloat16)
+            assert_bf16_result(jax.ffi.ffi_call(lin.NATIVE_PANELS_FP8, shape16)(
+                x, weight.values, jnp.asarray(scale[..., 0]), block_p=bp, block_k=bk, bf16_weights=1,
+                swiglu=int(swiglu)), ref16, swiglu)
         if native.avx512_bf16() and k % 2 == 0:  # bf16 x: the block as bf16 pairs = the bf16 pair kernel's
             x16 = x.astype(jnp.bfloat16)
-            raw = jax.ffi.ffi_call(lin.NATIVE_PANELS_FP8, jax.ShapeDtypeStruct((t, 64 * p), jnp.float32))(
-                x16, weight.values, jnp.asarray(scale[..., 0]), block_p=bp, block_k=bk, bf16_weights=1)
+            raw = fp8(x16, weight.values, jnp.asarray(scale[..., 0]))
             ref16 = jax.ffi.ffi_call(lin.NATIVE_PANELS_BF16_PAIRS, jax.ShapeDtypeStruct((t, 64 * p), jnp.float32))(
-                x16, w16)
+                x16, w16, swiglu=0)
             np.testing.assert_array_equal(np.asarray(raw), np.asarray(ref16), err_msg=f"pairs x {x.shape}")
+            for swiglu in (False, True)[:1 + (p % 2 == 0)]:
+                shape16 = jax.ShapeDtypeStruct((t, (32 if swiglu else 64) * p), jnp.bfloat16)
+                assert_bf16_result(jax.ffi.ffi_call(lin.NATIVE_PANELS_FP8, shape16)(
+                    x16, weight.values, jnp.asarray(scale[..., 0]), block_p=bp, block_k=bk, bf16_weights=1,
+                    swiglu=int(swiglu)), ref16, swiglu)
         if case == 1:
             assert set(np.nonzero(np.isnan(got))[1].tolist()) == {64 + 9}
             continue
@@ -338,9 +351,12 @@ def test_linear_panels_matches_float64_oracle_on_random_shapes(weights):
     of 64 with tails (K = 1, 63, 65, 1100), one to many panels (runs of panels per work item), leading batch dims,
     T = 0 and K = 0. Sequential f32 sums over K ≤ 1100: measured ≤ 2e-6 relative to the largest output; 1e-5 catches
     a wrong panel, a dropped k block or a row tile written to the wrong place. bf16 panels (a bf16 checkpoint's): the
-    same against the bf16-exact weights, read in place by one row tile, widened per k block for more."""
+    same against the bf16-exact weights, read in place by one row tile, widened per k block for more. f32 [gate ; up]
+    panels with SwiGLU in the epilogue (items over the gate panels, each paired with its up panel): the same bound on
+    silu(gate) · up — a gate paired with the wrong up panel is far beyond it."""
     rng = np.random.default_rng(20261205)
     call = jax.jit(lin.linear_panels_cpu)
+    swiglu_call = jax.jit(functools.partial(lin.linear_panels_cpu, swiglu=True))
     shapes = [((1,), 1, 1), ((2, 3), 65, 2), ((48,), 1024, 3), ((32,), 63, 16), ((49,), 100, 1), ((100,), 1100, 5),
               ((0,), 16, 2), ((4,), 0, 3)]
     shapes += [((int(rng.integers(1, 120)),), int(rng.choice([1, 15, 64, 65, 130, 700])), int(rng.integers(1, 40)))
@@ -354,6 +370,14 @@ def test_linear_panels_matches_float64_oracle_on_random_shapes(weights):
         if want.size:
             err = np.abs(got - want).max() / max(np.abs(want).max(), 1e-30)
             assert err <= REL, f"x {x.shape}, {panels} panels: {err:.2e}"
+        if weights == "f32" and panels % 2 == 0:  # [gate ; up]: SwiGLU in the kernel's epilogue, items over gates
+            fused = np.asarray(swiglu_call(x, lin.pack_panels(w)))
+            half = want.shape[-1] // 2
+            ref = want[..., :half] / (1 + np.exp(-want[..., :half])) * want[..., half:]
+            assert fused.shape == ref.shape and fused.dtype == np.float32
+            if ref.size:
+                err = np.abs(fused - ref).max() / max(np.abs(ref).max(), 1e-30)
+                assert err <= REL, f"swiglu x {x.shape}, {panels} panels: {err:.2e}"
 
 
 @pytest.mark.skipif(not native.avx512_bf16(), reason="this CPU has no AVX512_BF16 (VDPBF16PS)")
@@ -372,7 +396,12 @@ def test_linear_panels_bf16_pairs_match_float64_oracle():
         w = jnp.asarray(rng.standard_normal((panels * lin.PANEL, k)), jnp.bfloat16)
         want = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
         call = jax.ffi.ffi_call(lin.NATIVE_PANELS_BF16_PAIRS, jax.ShapeDtypeStruct((t, panels * lin.PANEL), jnp.float32))
-        got = np.asarray(jax.jit(call)(x, lin.pack_panels(w)), np.float64)
+        product = jax.jit(functools.partial(call, swiglu=0))(x, lin.pack_panels(w))
+        got = np.asarray(product, np.float64)
+        # the rule's bf16 result (rounded in the kernel), and [gate ; up] panels' SwiGLU as the reference rounds it
+        for swiglu in (False, True)[:1 + (panels % 2 == 0)]:
+            assert_bf16_result(jax.jit(functools.partial(lin.linear_panels_cpu, swiglu=swiglu))(
+                x, lin.pack_panels(w)), product, swiglu)
         assert np.isfinite(got).all(), f"x {x.shape}: unwritten output"
         if want.size and np.abs(want).max() > 0:
             err = np.abs(got - want).max() / np.abs(want).max()

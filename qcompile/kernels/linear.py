@@ -34,6 +34,7 @@ import jax.numpy as jnp
 
 from qcompile.kernels import native
 from qcompile.kernels.fp8 import QuantizedWeight
+from qcompile.kernels.grouped_matmul import swiglu_halves
 
 NATIVE_F32 = "qcompile_linear_f32"
 NATIVE_FP8 = "qcompile_linear_fp8"
@@ -109,50 +110,66 @@ def fp8_panels_fit(x, wp) -> bool:
             and wp.values.ndim == 3 and wp.shape[2] == PANEL and wp.block[2] == PANEL)
 
 
-def linear_panels_fp8_native(x, wp: QuantizedWeight):
+def linear_panels_fp8_native(x, wp: QuantizedWeight, swiglu: bool = False):
     """The native panel kernel on FP8 panels (values [P, K, 64], scale [ceil(P/bp), ceil(K/bk), 1]): each k block of
     a panel dequantized into an L1-resident f32 block (for a bf16 weight each value rounded to bf16 as the reference's
     dequantize rounds it, the block as bf16 pairs on VDPBF16PS where the CPU has AVX512_BF16 and K is even — from 24
     rows an item the whole panel once, for tiles over all of K —, else the activations widened exactly; the f32
-    result rounded once); call only after `native.ensure(NATIVE_PANELS_FP8)`."""
+    result rounded once in the kernel); `swiglu`: the panels are [gate ; up] and the result SwiGLU's halves, computed
+    in the kernel (for a bf16 weight as the reference's bf16 ops round them) when the halves are whole panels, after
+    it otherwise; call only after `native.ensure(NATIVE_PANELS_FP8)`."""
     p, k, c = wp.shape
     rows = math.prod(x.shape[:-1])
+    fused = swiglu and p % 2 == 0
+    width = p * c // 2 if fused else p * c
     if rows == 0:
-        return jnp.zeros((*x.shape[:-1], p * c), x.dtype)
-    call = jax.ffi.ffi_call(NATIVE_PANELS_FP8, jax.ShapeDtypeStruct((rows, p * c), jnp.float32))
-    pairs = wp.dtype == jnp.bfloat16 and k % 2 == 0 and native.avx512_bf16()  # bf16 x on VDPBF16PS, as it is
+        return jnp.zeros((*x.shape[:-1], p * c // 2 if swiglu else p * c), x.dtype)
+    bf16 = wp.dtype == jnp.bfloat16
+    call = jax.ffi.ffi_call(NATIVE_PANELS_FP8, jax.ShapeDtypeStruct((rows, width), jnp.bfloat16 if bf16 else jnp.float32))
+    pairs = bf16 and k % 2 == 0 and native.avx512_bf16()  # bf16 x on VDPBF16PS, as it is
     out = call(x.reshape(rows, k) if pairs else x.reshape(rows, k).astype(jnp.float32), wp.values,
                wp.scale.astype(jnp.float32).reshape(wp.scale.shape[:2]), block_p=wp.block[0], block_k=wp.block[1],
-               bf16_weights=int(wp.dtype == jnp.bfloat16))
-    return out.reshape(*x.shape[:-1], p * c).astype(x.dtype)
+               bf16_weights=int(bf16), swiglu=int(fused))
+    out = out.reshape(*x.shape[:-1], width).astype(x.dtype)
+    return swiglu_halves(out) if swiglu and not fused else out
 
 
-def linear_panels_cpu(x, wp):
+def linear_panels_cpu(x, wp, swiglu: bool = False):
     """The CPU rule of linear_panels: the native panel kernel at any row count — f32 panels, or a bf16 checkpoint's
     bf16 panels widened inside it (bf16 activations widened before, the f32 result rounded once after, as the
     reference's f32 accumulation is; from AMX_MIN_ROWS bf16 rows on, AMX tiles where the CPU has them; bf16
     activations and panels on VDPBF16PS pairs where the CPU has AVX512_BF16, an even K; FP8 panels dequantized a k
-    block at a time, for f32 or bf16 activations) —, XLA's dot otherwise."""
+    block at a time, for f32 or bf16 activations) —, XLA's dot otherwise. `swiglu` (linear_panels' attr): the panels
+    are [gate ; up] and the result SwiGLU's halves — in the kernel where it computes them as the reference does (f32
+    panels; bf16 pairs and FP8, whose bf16 result rounds every op as the reference's bf16 ops) and the halves are
+    whole panels (an even P), else after it."""
     if isinstance(wp, QuantizedWeight):
         if fp8_panels_fit(x, wp) and native.ensure(NATIVE_PANELS_FP8):
-            return linear_panels_fp8_native(x, wp)
+            return linear_panels_fp8_native(x, wp, swiglu)
         wp = wp.dequantize()
     p, k, c = wp.shape
     rows = math.prod(x.shape[:-1])
+    fuse = swiglu and p % 2 == 0  # the halves are whole panels: gate panel j pairs with up panel P/2 + j
+    width = p * c // 2 if fuse else p * c
+    halves = swiglu_halves if swiglu else (lambda y: y)
     if (x.dtype == wp.dtype == jnp.bfloat16 and rows >= AMX_MIN_ROWS and k % 32 == 0 and c == PANEL
             and native.amx_bf16() and native.ensure(NATIVE_PANELS_AMX)):
         call = jax.ffi.ffi_call(NATIVE_PANELS_AMX, jax.ShapeDtypeStruct((rows, p * c), jnp.float32))
-        return call(x.reshape(rows, k), wp).reshape(*x.shape[:-1], p * c).astype(x.dtype)
+        return halves(call(x.reshape(rows, k), wp).reshape(*x.shape[:-1], p * c).astype(x.dtype))
     if (x.dtype == wp.dtype == jnp.bfloat16 and rows > 0 and k % 2 == 0 and c == PANEL and native.avx512_bf16()
-            and native.ensure(NATIVE_PANELS_BF16_PAIRS)):
-        call = jax.ffi.ffi_call(NATIVE_PANELS_BF16_PAIRS, jax.ShapeDtypeStruct((rows, p * c), jnp.float32))
-        return call(x.reshape(rows, k), wp).reshape(*x.shape[:-1], p * c).astype(x.dtype)
+            and native.ensure(NATIVE_PANELS_BF16_PAIRS)):  # a bf16 result (SwiGLU's halves too) from the kernel
+        call = jax.ffi.ffi_call(NATIVE_PANELS_BF16_PAIRS, jax.ShapeDtypeStruct((rows, width), jnp.bfloat16))
+        y = call(x.reshape(rows, k), wp, swiglu=int(fuse)).reshape(*x.shape[:-1], width)
+        return y if fuse else halves(y)
     kernel = NATIVE_PANELS if wp.dtype == jnp.float32 else NATIVE_PANELS_BF16 if wp.dtype == jnp.bfloat16 else None
     if not (kernel is not None and x.dtype in (jnp.float32, jnp.bfloat16) and c == PANEL and rows > 0
             and native.ensure(kernel)):
-        return linear_panels_xla(x, wp)
-    call = jax.ffi.ffi_call(kernel, jax.ShapeDtypeStruct((rows, p * c), jnp.float32))
-    return call(x.reshape(rows, k).astype(jnp.float32), wp).reshape(*x.shape[:-1], p * c).astype(x.dtype)
+        return halves(linear_panels_xla(x, wp))
+    fused = fuse and kernel == NATIVE_PANELS and x.dtype == jnp.float32  # the f32 epilogue: an f32 graph's SwiGLU
+    call = jax.ffi.ffi_call(kernel, jax.ShapeDtypeStruct((rows, width if fused else p * c), jnp.float32))
+    y = call(x.reshape(rows, k).astype(jnp.float32), wp, swiglu=int(fused))
+    y = y.reshape(*x.shape[:-1], width if fused else p * c).astype(x.dtype)
+    return y if fused or not swiglu else swiglu_halves(y)
 
 
 def greedy_cpu(logits):

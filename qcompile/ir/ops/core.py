@@ -210,10 +210,9 @@ def _linear_panels(op_, x, w):
 
 @lowering(LinearPanels, "cpu", takes_quantized=True)
 def _linear_panels_cpu(op_, x, w):
-    """The native panel kernel at every row count (kernels/linear.py; FP8 panels as they are), then linear_swiglu's
-    halves if asked."""
-    y = linear_panels_cpu(x, w)
-    return swiglu_halves(y) if op_.swiglu else y
+    """The native panel kernel at every row count (kernels/linear.py; FP8 panels as they are), with linear_swiglu's
+    halves if asked (in the kernel's epilogue where it computes them as the reference does)."""
+    return linear_panels_cpu(x, w, swiglu=op_.swiglu)
 
 
 @op("reshape")
