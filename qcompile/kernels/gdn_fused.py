@@ -66,9 +66,10 @@ def gdn_fused_reference(x, a, b, conv_state, conv_w, a_log, dt_bias, state, quer
 
 
 def gdn_fused_native(x, a, b, conv_state, conv_w, a_log, dt_bias, state, query_start, state_slots):
-    """The native kernel (the states f32 or bf16, computed in f32; a bf16 x — a bf16 graph — has the
-    conv's output, SiLU and β rounded to bf16 in the kernel as the reference's bf16 ops round them). Call only after
-    `native.ensure(NATIVE[dtype])` returned True."""
+    """The native kernel (the states f32 or bf16, computed in f32; a bf16 x — a bf16 graph — has the conv's output,
+    SiLU and β rounded to bf16 in the kernel where the compiled reference rounds them: β's quotient not, as XLA drops
+    a rounding followed at once by gates()' conversion to f32). Call only after `native.ensure(NATIVE[dtype])`
+    returned True."""
     f32 = jnp.float32
     out_types = (jax.ShapeDtypeStruct((x.shape[0], *state.shape[1:2], state.shape[3]), f32),
                  jax.ShapeDtypeStruct(conv_state.shape, conv_state.dtype), jax.ShapeDtypeStruct(state.shape, state.dtype))
