@@ -166,10 +166,11 @@ def linear_panels_cpu(x, wp, swiglu: bool = False):
             and native.ensure(kernel)):
         return halves(linear_panels_xla(x, wp))
     fused = fuse and kernel == NATIVE_PANELS and x.dtype == jnp.float32  # the f32 epilogue: an f32 graph's SwiGLU
-    call = jax.ffi.ffi_call(kernel, jax.ShapeDtypeStruct((rows, width if fused else p * c), jnp.float32))
-    y = call(x.reshape(rows, k).astype(jnp.float32), wp, swiglu=int(fused))
-    y = y.reshape(*x.shape[:-1], width if fused else p * c).astype(x.dtype)
-    return y if fused or not swiglu else swiglu_halves(y)
+    n = width if fused else p * c
+    y = jax.ffi.ffi_call(kernel, jax.ShapeDtypeStruct((rows, n), jnp.float32))(
+        x.reshape(rows, k).astype(jnp.float32), wp, swiglu=int(fused))
+    y = y.reshape(*x.shape[:-1], n).astype(x.dtype)
+    return y if fused else halves(y)
 
 
 def greedy_cpu(logits):

@@ -40,15 +40,6 @@ inline v16 widen16(const uint16_t* src) {
   return out;
 }
 
-inline void narrow16(v16 value, uint16_t* dst) {
-  u32x16 bits;
-  std::memcpy(&bits, &value, sizeof(bits));
-  const u32x16 rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
-  const u32x16 quiet_nan = (bits >> 16) | 0x40u;
-  const u32x16 out = (bits & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded;
-  *reinterpret_cast<u16x16*>(dst) = __builtin_convertvector(out, u16x16);
-}
-
 // value rounded to the nearest bf16 (even on ties), kept as f32: what a bf16 graph stores after each op.
 inline v16 round16(v16 value) {
   u32x16 bits;
@@ -60,6 +51,13 @@ inline v16 round16(v16 value) {
   return value;
 }
 
+inline void narrow16(v16 value, uint16_t* dst) {
+  u32x16 bits;
+  const v16 rounded = round16(value);
+  std::memcpy(&bits, &rounded, sizeof(bits));
+  *reinterpret_cast<u16x16*>(dst) = __builtin_convertvector(bits >> 16, u16x16);
+}
+
 // e^x up to f32's overflow: exp16 clamps above 88.38, so the lanes past 88 take 2 e^(x - ln 2), and e^x = inf from
 // ln(FLT_MAX) on, as the reference's exp gives.
 inline v16 exp16_to_inf(v16 x) {
@@ -68,10 +66,6 @@ inline v16 exp16_to_inf(v16 x) {
   return x > 88.72283935546875f ? splat(INFINITY) : high ? e * 2.0f : e;
 }
 
-// dst = the bf16 bits of silu(g) · u for the f32 products g (gate) and u (up), as a bf16 graph computes SwiGLU's
-// halves (kernels/grouped_matmul.py swiglu_halves: jax.nn.silu on bf16, then the product): g and u rounded to bf16,
-// then every op in f32 and rounded to bf16 after it — e^-g, 1 + e^-g, 1 / (1 + e^-g), g · that, · u. An epilogue
-// that rounded only its result would round in other places than the reference, which in a deep bf16 MoE flips routes.
 // sigmoid(x) = 1 / (1 + e^-x) of bf16 values x as a bf16 graph computes it, each op rounded to bf16.
 inline v16 sigmoid_bf16_values(v16 x) { return round16(1.0f / round16(round16(exp16_to_inf(-x)) + 1.0f)); }
 
@@ -97,6 +91,10 @@ inline void silu_bf16_inplace(float* y, int64_t n) {
   }
 }
 
+// dst = the bf16 bits of silu(g) · u for the f32 products g (gate) and u (up), as a bf16 graph computes SwiGLU's
+// halves (kernels/grouped_matmul.py swiglu_halves: jax.nn.silu on bf16, then the product): g and u rounded to bf16,
+// then every op in f32 and rounded to bf16 after it — e^-g, 1 + e^-g, 1 / (1 + e^-g), g · that, · u. An epilogue
+// that rounded only its result would round in other places than the reference, which in a deep bf16 MoE flips routes.
 inline void swiglu_bf16(const float* gate, const float* up, uint16_t* dst, int64_t n) {
   int64_t c = 0;
   for (; c + 16 <= n; c += 16) narrow16(swiglu_bf16_values(load(gate + c), load(up + c)), dst + c);

@@ -151,89 +151,89 @@ void run_item(const Job& j, int64_t i) {
   // Rows [r0, r1) times panel p into dst (row r0 at dst, ldd floats a row); run_end: where (bytes) the run of panels
   // p belongs to ends, which bounds the prefetch ahead.
   auto panel_product = [&](int64_t p, float* dst, int64_t ldd, int64_t run_end) {
-      const float* sp = j.w8 != nullptr ? j.scale + (p / j.bp) * j.kblocks : nullptr;  // FP8: the panel's scales
-      if (j.w8 != nullptr && tiles == 1) {  // FP8, one row tile: each panel row dequantized in registers, all of K
-        const uint8_t* wp = j.w8 + p * j.k * kPanel;
-        const int rows = static_cast<int>(r1 - r0);
+    const float* sp = j.w8 != nullptr ? j.scale + (p / j.bp) * j.kblocks : nullptr;  // FP8: the panel's scales
+    if (j.w8 != nullptr && tiles == 1) {  // FP8, one row tile: each panel row dequantized in registers, all of K
+      const uint8_t* wp = j.w8 + p * j.k * kPanel;
+      const int rows = static_cast<int>(r1 - r0);
+#ifdef __AVX512BF16__
+      if (j.x16 != nullptr) {
+        qcompile_native::tile_fp8_pairs_rows(rows, j.x16 + r0 * j.k, j.k, wp, sp, j.bk, 0, j.k, dst, ldd, false);
+        return;
+      }
+#endif
+      qcompile_native::tile_fp8_rows(rows, j.x + r0 * j.k, j.k, wp, sp, j.bk, 0, j.k, j.bf16_weights,
+                                     dst, ldd, false);
+      return;
+    }
+#ifdef __AVX512BF16__
+    if (j.x16 != nullptr && (j.w16 != nullptr || j.w8 != nullptr) && r1 - r0 >= kFullKRows) {
+      // Many rows (prefill) on pairs: each tile's accumulators stay in registers over all of K, the panel read in
+      // place (from L2 after the first tile; FP8: dequantized to bf16 once into a per-thread panel): no partial sums
+      // through the output and no re-pairing per k block (1.3-1.5x at 128-4096 rows, 1.1-1.2x at 24-48).
+      thread_local std::vector<uint16_t> panel16;
+      const uint16_t* wp16 = j.w16 != nullptr ? j.w16 + p * j.k * kPanel : nullptr;
+      if (wp16 == nullptr) {
+        panel16.resize(static_cast<size_t>(j.k * kPanel));
+        qcompile_native::dequant_rows(j.w8 + p * j.k * kPanel, sp, j.bk, 0, j.k, panel16.data());
+        wp16 = panel16.data();
+      }
+      auto ahead = [wp16, k = j.k, bf16 = j.w16 != nullptr](int64_t pair) {  // the panel rows kPrefetchPairRows ahead
+        if (!bf16 || 2 * pair + kPrefetchPairRows >= k) return;
+        const uint16_t* next = wp16 + (2 * pair + kPrefetchPairRows) * kPanel;
+        for (int l = 0; l < 4; ++l) __builtin_prefetch(next + 32 * l);
+      };
+      for (int64_t i = 0; i < tiles; ++i) {
+        const int64_t r = r0 + (r1 - r0) * i / tiles, r_end = r0 + (r1 - r0) * (i + 1) / tiles;
+        qcompile_native::tile_pairs_rows(static_cast<int>(r_end - r), j.x16 + r * j.k, j.k, wp16, 0, j.k,
+                                         dst + (r - r0) * ldd, ldd, false, ahead);
+      }
+      return;
+    }
+#endif
+    for (int64_t kb = 0; kb < j.k; kb += kKc) {
+      const int64_t ke = std::min(j.k, kb + kKc);
+      const float* block = j.w != nullptr ? j.w + (p * j.k + kb) * kPanel : nullptr;
+      const uint16_t* block16 = nullptr;  // bf16 read in place by a single row tile (or by the pair tiles)
+      if (j.w8 != nullptr && j.x16 != nullptr) {
+        qcompile_native::dequant_rows(j.w8 + p * j.k * kPanel, sp, j.bk, kb, ke, block16_fp8.data());
+        block16 = block16_fp8.data();  // row kb of the panel
+      } else if (j.w8 != nullptr) {
+        qcompile_native::dequant_rows(j.w8 + p * j.k * kPanel, sp, j.bk, kb, ke, j.bf16_weights, widened.data());
+        block = widened.data();
+      } else if (j.w16 != nullptr && (r1 - r0 <= kMr || j.x16 != nullptr)) {
+        block16 = j.w16 + (p * j.k + kb) * kPanel;
+      } else if (j.w16 != nullptr) {
+        qcompile_native::widen(j.w16 + (p * j.k + kb) * kPanel, widened.data(), (ke - kb) * kPanel);
+        block = widened.data();
+      }
+      // The block kPrefetchBlocks ahead, in this item's panels only: its lines, split over the tiles.
+      const int64_t ahead = (p * j.k * kPanel + (kb + kPrefetchBlocks * kKc) * kPanel) * elem;
+      const int64_t lines = std::max<int64_t>(0, std::min(kKc * kPanel * elem, run_end - ahead)) / 64;
+      for (int64_t i = 0; i < tiles; ++i) {
+        const int64_t r = r0 + (r1 - r0) * i / tiles, r_end = r0 + (r1 - r0) * (i + 1) / tiles;
+        const int64_t l0 = lines * i / tiles, l1 = lines * (i + 1) / tiles;
+        const int64_t per_step = (l1 - l0 + (ke - kb) - 1) / (ke - kb);
+        const Prefetch pf{base + ahead, l0, l1 - l0, per_step};
 #ifdef __AVX512BF16__
         if (j.x16 != nullptr) {
-          qcompile_native::tile_fp8_pairs_rows(rows, j.x16 + r0 * j.k, j.k, wp, sp, j.bk, 0, j.k, dst, ldd, false);
-          return;
+          // The spread prefetch of this tile's share of the block ahead, two k steps per pair.
+          auto ahead = [pf](int64_t pair) {
+            for (int64_t l = 2 * pair * pf.per_step, e = std::min(pf.count, l + 2 * pf.per_step); l < e; ++l)
+              __builtin_prefetch(pf.base + (pf.first + l) * 64, 0, 2);
+          };
+          qcompile_native::tile_pairs_rows(static_cast<int>(r_end - r), j.x16 + r * j.k, j.k, block16, kb, ke,
+                                           dst + (r - r0) * ldd, ldd, kb > 0, ahead);
+          continue;
         }
 #endif
-        qcompile_native::tile_fp8_rows(rows, j.x + r0 * j.k, j.k, wp, sp, j.bk, 0, j.k, j.bf16_weights,
-                                       dst, ldd, false);
-        return;
+        if (block16 != nullptr)
+          tile_rows(static_cast<int>(r_end - r), j.x + r * j.k, j.k, block16, kb, ke, dst + (r - r0) * ldd, ldd,
+                    kb > 0, pf);
+        else
+          tile_rows(static_cast<int>(r_end - r), j.x + r * j.k, j.k, block, kb, ke, dst + (r - r0) * ldd, ldd,
+                    kb > 0, pf);
       }
-#ifdef __AVX512BF16__
-      if (j.x16 != nullptr && (j.w16 != nullptr || j.w8 != nullptr) && r1 - r0 >= kFullKRows) {
-        // Many rows (prefill) on pairs: each tile's accumulators stay in registers over all of K, the panel read in
-        // place (from L2 after the first tile; FP8: dequantized to bf16 once into a per-thread panel): no partial sums
-        // through the output and no re-pairing per k block (1.3-1.5x at 128-4096 rows, 1.1-1.2x at 24-48).
-        thread_local std::vector<uint16_t> panel16;
-        const uint16_t* wp16 = j.w16 != nullptr ? j.w16 + p * j.k * kPanel : nullptr;
-        if (wp16 == nullptr) {
-          panel16.resize(static_cast<size_t>(j.k * kPanel));
-          qcompile_native::dequant_rows(j.w8 + p * j.k * kPanel, sp, j.bk, 0, j.k, panel16.data());
-          wp16 = panel16.data();
-        }
-        auto ahead = [wp16, k = j.k, bf16 = j.w16 != nullptr](int64_t pair) {  // the panel rows kPrefetchPairRows ahead
-          if (!bf16 || 2 * pair + kPrefetchPairRows >= k) return;
-          const uint16_t* next = wp16 + (2 * pair + kPrefetchPairRows) * kPanel;
-          for (int l = 0; l < 4; ++l) __builtin_prefetch(next + 32 * l);
-        };
-        for (int64_t i = 0; i < tiles; ++i) {
-          const int64_t r = r0 + (r1 - r0) * i / tiles, r_end = r0 + (r1 - r0) * (i + 1) / tiles;
-          qcompile_native::tile_pairs_rows(static_cast<int>(r_end - r), j.x16 + r * j.k, j.k, wp16, 0, j.k,
-                                           dst + (r - r0) * ldd, ldd, false, ahead);
-        }
-        return;
-      }
-#endif
-      for (int64_t kb = 0; kb < j.k; kb += kKc) {
-        const int64_t ke = std::min(j.k, kb + kKc);
-        const float* block = j.w != nullptr ? j.w + (p * j.k + kb) * kPanel : nullptr;
-        const uint16_t* block16 = nullptr;  // bf16 read in place by a single row tile (or by the pair tiles)
-        if (j.w8 != nullptr && j.x16 != nullptr) {
-          qcompile_native::dequant_rows(j.w8 + p * j.k * kPanel, sp, j.bk, kb, ke, block16_fp8.data());
-          block16 = block16_fp8.data();  // row kb of the panel
-        } else if (j.w8 != nullptr) {
-          qcompile_native::dequant_rows(j.w8 + p * j.k * kPanel, sp, j.bk, kb, ke, j.bf16_weights, widened.data());
-          block = widened.data();
-        } else if (j.w16 != nullptr && (r1 - r0 <= kMr || j.x16 != nullptr)) {
-          block16 = j.w16 + (p * j.k + kb) * kPanel;
-        } else if (j.w16 != nullptr) {
-          qcompile_native::widen(j.w16 + (p * j.k + kb) * kPanel, widened.data(), (ke - kb) * kPanel);
-          block = widened.data();
-        }
-        // The block kPrefetchBlocks ahead, in this item's panels only: its lines, split over the tiles.
-        const int64_t ahead = (p * j.k * kPanel + (kb + kPrefetchBlocks * kKc) * kPanel) * elem;
-        const int64_t lines = std::max<int64_t>(0, std::min(kKc * kPanel * elem, run_end - ahead)) / 64;
-        for (int64_t i = 0; i < tiles; ++i) {
-          const int64_t r = r0 + (r1 - r0) * i / tiles, r_end = r0 + (r1 - r0) * (i + 1) / tiles;
-          const int64_t l0 = lines * i / tiles, l1 = lines * (i + 1) / tiles;
-          const int64_t per_step = (l1 - l0 + (ke - kb) - 1) / (ke - kb);
-          const Prefetch pf{base + ahead, l0, l1 - l0, per_step};
-#ifdef __AVX512BF16__
-          if (j.x16 != nullptr) {
-            // The spread prefetch of this tile's share of the block ahead, two k steps per pair.
-            auto ahead = [pf](int64_t pair) {
-              for (int64_t l = 2 * pair * pf.per_step, e = std::min(pf.count, l + 2 * pf.per_step); l < e; ++l)
-                __builtin_prefetch(pf.base + (pf.first + l) * 64, 0, 2);
-            };
-            qcompile_native::tile_pairs_rows(static_cast<int>(r_end - r), j.x16 + r * j.k, j.k, block16, kb, ke,
-                                             dst + (r - r0) * ldd, ldd, kb > 0, ahead);
-            continue;
-          }
-#endif
-          if (block16 != nullptr)
-            tile_rows(static_cast<int>(r_end - r), j.x + r * j.k, j.k, block16, kb, ke, dst + (r - r0) * ldd, ldd,
-                      kb > 0, pf);
-          else
-            tile_rows(static_cast<int>(r_end - r), j.x + r * j.k, j.k, block, kb, ke, dst + (r - r0) * ldd, ldd,
-                      kb > 0, pf);
-        }
-      }
+    }
   };
   const int64_t panel_bytes = j.k * kPanel * elem;
   if (j.out16 == nullptr && !j.swiglu) {  // f32 result: straight into the output
@@ -249,7 +249,8 @@ void run_item(const Job& j, int64_t i) {
   if (!j.swiglu) {
     for (int64_t p = p0; p < p1; ++p) {
       panel_product(p, y, kPanel, p1 * panel_bytes);
-      for (int64_t r = 0; r < rows; ++r) qcompile_native::narrow(y + r * kPanel, j.out16 + (r0 + r) * n + p * kPanel, kPanel);
+      for (int64_t r = 0; r < rows; ++r)
+        qcompile_native::narrow(y + r * kPanel, j.out16 + (r0 + r) * n + p * kPanel, kPanel);
     }
     return;
   }
