@@ -110,9 +110,9 @@ def bench_decode_attention(rng, repeat):
     print("|---|---|---|---|---|---|---|")
     for dtype in ("f32", "bf16"):
         for batch in (1, 8, 32):
-            for live in (160, 1000):
+            for live in (160, 1000, 4000):
                 hist = list(rng.integers(live - 10, live + 10, batch))
-                args = attention_case(rng, [1] * batch, hist, batch, 2048)
+                args = attention_case(rng, [1] * batch, hist, batch, 8192 if live > 2000 else 2048)
                 if dtype == "bf16":
                     args[1], args[2] = (a.astype(ml_dtypes.bfloat16) for a in args[1:3])
                 want, got = jnp_blocks(*args), native(*args)

@@ -2,7 +2,8 @@
 most time per step.
 
 Run: python benchmarks/profile_decode.py CONCURRENCY [prefill]  (the `all` build, as `qcompile bench` measures it;
-QCOMPILE_PROFILE_PASSES=none profiles the unoptimized graph, QCOMPILE_PROFILE_CHECKPOINT=DIR another checkpoint; prefill: profile prefilling CONCURRENCY fresh
+QCOMPILE_PROFILE_PASSES=none profiles the unoptimized graph, QCOMPILE_PROFILE_CHECKPOINT=DIR another checkpoint,
+QCOMPILE_PROFILE_PROMPT_LEN=N decode steps after N-token prompts (default 128); prefill: profile prefilling CONCURRENCY fresh
 128-token prompts in one chunk, as `bench` does up to its 512-token chunks; needs /tmp/bench from `qcompile init-tiny /tmp/bench --preset bench`;
 results quoted in docs/benchmarks.md)."""
 import sys, time, glob, gzip, json, collections, os
@@ -16,10 +17,11 @@ from qcompile.passes.registry import parse_spec
 spec = os.environ.get("QCOMPILE_PROFILE_PASSES", "all")
 m = load_model(os.environ.get("QCOMPILE_PROFILE_CHECKPOINT", "/tmp/bench"), progress=False,
                rewrite=lambda g: run_pipeline(g, parse_spec(spec), PassContext(), verify_mode="none").graph)
-eng = m.engine(CacheConfig(max_seqs=c, max_context=160, max_step_tokens=512))
+prompt_len = int(os.environ.get("QCOMPILE_PROFILE_PROMPT_LEN", "128"))  # decode after prompts this long
+eng = m.engine(CacheConfig(max_seqs=c, max_context=prompt_len + 32, max_step_tokens=512))
 seqs = [eng.add_sequence() for _ in range(c)]
 rng = np.random.default_rng(0)
-first = eng.prefill([(s, rng.integers(3, 32000, 128).tolist()) for s in seqs], with_logits=False)
+first = eng.prefill([(s, rng.integers(3, 32000, prompt_len).tolist()) for s in seqs], with_logits=False)
 last = list(first)
 for _ in range(3):
     last = eng.step_tokens([(s, [t]) for s, t in zip(seqs, last)])

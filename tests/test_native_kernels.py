@@ -753,24 +753,28 @@ def test_kv_cache_write_and_gather_match_jnp_on_edge_indices():
 
 
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])
-def test_paged_decode_attention_matches_the_jnp_blocks(dtype):
+@pytest.mark.parametrize("hd, group", [(20, 3), (128, 3), (64, 7), (128, 16)])
+def test_paged_decode_attention_matches_the_jnp_blocks(dtype, hd, group):
     """The native decode attention (paged_attention_f32.cc) against the jnp rule's online-softmax blocks: rows at
-    different positions (one past the page table's keys, one that sees none), a head size that is not a multiple of
-    16, keys in several 32-key blocks, a negative page id and one past P."""
+    different positions (one past the page table's keys, one that sees none, blocks that end after 1, 7 and 16 of
+    their keys), keys in several 32-key blocks, a negative page id and one past P; a head size that is not a multiple
+    of 16 (the row-at-a-time path) and multiples of 64 (the row-group path: groups of 4 rows, then 3; 16 rows, as
+    Qwen3.5's 32 query heads over 2 KV heads)."""
     import ml_dtypes
 
     from qcompile.kernels import cache_rows as rows_
     from qcompile.kernels import paged_attention as pa
 
     rng = np.random.default_rng(7)
-    items, kv_heads, group, hd, ps, per_seq, num_pages = 5, 2, 3, 20, 4, 20, 30
+    items, kv_heads, ps, per_seq, num_pages = 5, 2, 4, 20, 30
     np_dtype = np.float32 if dtype == "f32" else ml_dtypes.bfloat16
     k_pages = jnp.asarray(rng.standard_normal((num_pages, ps, kv_heads, hd)).astype(np_dtype))
     v_pages = jnp.asarray(rng.standard_normal((num_pages, ps, kv_heads, hd)).astype(np_dtype))
     qi = jnp.asarray(rng.standard_normal((items, kv_heads, group, hd)), jnp.float32)
     item_pages = jnp.asarray(rng.integers(0, num_pages, (items, per_seq)), jnp.int32)
     item_pages = item_pages.at[1, 0].set(-3).at[2, 5].set(num_pages + 4)
-    row_pos = jnp.asarray([[0, 5, 2], [33, 70, 79], [100, 50, -1], [-1, -1, -1], [79, 200, 64]], jnp.int32)
+    row_pos = np.array([[0, 5, 2], [33, 70, 79], [100, 50, -1], [-1, -1, -1], [79, 200, 15]])
+    row_pos = jnp.asarray(np.stack([np.resize(r, group) for r in row_pos]), jnp.int32)
     blocks = -(-per_seq // 8)
     want = pa._flash_blocks(qi, row_pos, item_pages, rows_.page_reader(k_pages), rows_.page_reader(v_pages),
                             jnp.int32(blocks), 8, ps)

@@ -15,6 +15,11 @@
 // runs two small einsums; at 32 decode sequences of the bench preset that is ~6-7 ms of a step for ~1 MB of keys.
 // Here a work item (sequence, KV head) streams its keys and values once, widened from bf16 in registers, and its
 // group's rows share every key it reads. Work items run on XLA's intra-op threads (parallel_items.h).
+//
+// Decode rows (run_item_rows, head sizes a multiple of 64): scores summed 16 keys at a time in a tree (lane_sums16)
+// instead of one dependent chain per key, the next block's keys and values prefetched while this one is scored, one
+// page-table lookup per page — 2-3x the row-at-a-time path at 1000-4000-token contexts (docs/cpu_rules_attention.md,
+// "Decode rows at long contexts"). Head sizes that are not a multiple of 64 keep the row-at-a-time path (run_item).
 
 #include <algorithm>
 #include <cmath>
@@ -38,7 +43,9 @@ using qcompile_native::v16;
 using qcompile_native::value_as_f32;
 
 constexpr int64_t kBlock = 32;  // keys per online-softmax block
-constexpr int64_t kTiledRows = 8;  // items of this many rows or more (prefill tiles) take the register-tiled path
+// Items of this many rows or more (prefill tiles: a 32-token tile times the GQA group) take the register-tiled path;
+// fewer (decode: one token's group, up to 16 rows in Qwen3.5) the row-group path, 1.7-1.9x faster there at group 8-16.
+constexpr int64_t kTiledRows = 32;
 
 inline float dot(const float* q, const float* k, int64_t n) {
   v16 acc = {};
@@ -173,6 +180,205 @@ void run_item_tiled(const Job<T>& j, int64_t item, int64_t keys) {
   }
 }
 
+// The lane sums of 16 vectors as one vector: lane i holds the sum of a[kRev4[i]]'s lanes (kRev4 reverses 4 bits and
+// is its own inverse, so a caller that stores key t's partial sums at a[kRev4[t]] gets key t's score in lane t). Four
+// levels fold pairs of vectors in half — 15 adds for 16 sums, where summing one vector's lanes in order is a chain of
+// 16 dependent adds per score (what made the row-at-a-time path latency-bound at long contexts).
+constexpr int kRev4[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+
+inline v16 lane_sums16(const float* a) {  // a: 16 vectors of 16 floats, one after another
+  v16 b[8], c[4], d[2];
+  for (int i = 0; i < 8; ++i) {
+    const v16 x = load(a + 32 * i), y = load(a + 32 * i + 16);
+    b[i] = __builtin_shufflevector(x, y, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(x, y, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  }
+  for (int i = 0; i < 4; ++i)
+    c[i] = __builtin_shufflevector(b[2 * i], b[2 * i + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
+           __builtin_shufflevector(b[2 * i], b[2 * i + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int i = 0; i < 2; ++i)
+    d[i] = __builtin_shufflevector(c[2 * i], c[2 * i + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
+           __builtin_shufflevector(c[2 * i], c[2 * i + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+  return __builtin_shufflevector(d[0], d[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
+         __builtin_shufflevector(d[0], d[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+}
+
+// The largest lane and the sum of the lanes, as trees (4 dependent steps instead of 16).
+inline v16 larger(v16 a, v16 b) { return a > b ? a : b; }
+
+inline float lane_max(v16 x) {
+  x = larger(x, __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
+  x = larger(x, __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
+  x = larger(x, __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
+  return std::max(x[0], x[1]);
+}
+
+inline float lane_sum(v16 x) {
+  x += __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  x += __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+  x += __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+  return x[0] + x[1];
+}
+
+// Partial scores of rows r0..r0+RG-1 against keys t and t + 1 (two keys at a time: 2·RG independent FMA chains):
+// part[r][kRev4-slot of t] = the 16 lane partial sums of q[r]·k[t] over hd (a multiple of 16).
+template <int RG, class T>
+inline void partial_scores(const float* q, int64_t hd, const T* k0, const T* k1, float* part, int64_t slot0,
+                           int64_t slot1) {
+  v16 a0[RG] = {}, a1[RG] = {};
+  for (int64_t c = 0; c < hd; c += 16) {
+    const v16 x0 = qcompile_native::load_as_f32(k0 + c), x1 = qcompile_native::load_as_f32(k1 + c);
+    for (int r = 0; r < RG; ++r) {
+      const v16 qr = load(q + r * hd + c);
+      a0[r] += qr * x0;
+      a1[r] += qr * x1;
+    }
+  }
+  for (int r = 0; r < RG; ++r) {
+    store(part + (r * kBlock + slot0) * 16, a0[r]);
+    store(part + (r * kBlock + slot1) * 16, a1[r]);
+  }
+}
+
+// out[r0..r0+NR) (columns c..c+64) = alpha·out + Σ_t prob[r][t]·v[t] over keys t < n.
+template <int NR, class T>
+inline void weighted_values(const T* v, const int64_t* off, int64_t n, const float* prob, const float* alpha,
+                            float* out, int64_t hd, int64_t c) {
+  v16 o[NR][4];
+  for (int i = 0; i < NR; ++i)
+    for (int u = 0; u < 4; ++u) o[i][u] = load(out + i * hd + c + 16 * u) * alpha[i];
+  for (int64_t t = 0; t < n; ++t) {
+    v16 vv[4];
+    for (int u = 0; u < 4; ++u) vv[u] = qcompile_native::load_as_f32(v + off[t] + c + 16 * u);
+    for (int i = 0; i < NR; ++i) {
+      const v16 p = qcompile_native::splat(prob[i * kBlock + t]);
+      for (int u = 0; u < 4; ++u) o[i][u] += p * vv[u];
+    }
+  }
+  for (int i = 0; i < NR; ++i)
+    for (int u = 0; u < 4; ++u) store(out + i * hd + c + 16 * u, o[i][u]);
+}
+
+// Few rows (decode: a token's GQA group; hd a multiple of 64): per block of kBlock keys, each key read once for all
+// rows straight from its page (widened in registers), partial scores for two keys at a time, summed 16 keys at a time
+// by lane_sums16; the online softmax on 16-key vectors (exp16); P·V 64 output columns at a time for up to 4 rows,
+// each value vector read once per column chunk. The same blocks, per-block maximum and rescale as run_item.
+template <class T>
+void run_item_rows(const Job<T>& j, int64_t item, int64_t keys) {
+  const int64_t w = item / j.kv_heads, h = item % j.kv_heads;
+  const int64_t rows = j.rows, hd = j.hd;
+  const float* q = j.q + (w * j.kv_heads + h) * rows * hd;
+  const int32_t* pos = j.pos + w * rows;
+  float* out = j.out + (w * j.kv_heads + h) * rows * hd;
+  thread_local std::vector<float> m, l, part, prob, alpha;
+  m.assign(rows, -1e30f);
+  l.assign(rows, 0.0f);
+  part.resize(rows * kBlock * 16);
+  prob.resize(rows * kBlock);
+  alpha.resize(rows);
+  std::fill(out, out + rows * hd, 0.0f);
+  int64_t off[kBlock];
+  const v16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  const v16 neg = qcompile_native::splat(-INFINITY);
+  const int64_t row_bytes = hd * static_cast<int64_t>(sizeof(T));
+  int64_t next[kBlock];  // offsets of the next block's keys: prefetched two at a time while this block's are scored
+  auto offsets = [&](int64_t start, int64_t* into) {  // one page-table lookup per page, not per key
+    int64_t t = 0;
+    while (t < kBlock && start + t < keys) {
+      const int64_t first = key_offset(j, w, h, start + t);
+      const int64_t run = std::min(std::min(kBlock - t, keys - start - t), j.page_size - (start + t) % j.page_size);
+      const int64_t stride = j.kv_heads * hd;  // consecutive keys of one page
+      for (int64_t i = 0; i < run; ++i) into[t + i] = first + i * stride;
+      t += run;
+    }
+    for (; t < kBlock; ++t) into[t] = -1;
+  };
+  auto fetch = [&](int64_t at) {  // the key and value rows at `at`, every cache line
+    if (at < 0) return;
+    const char* kr = reinterpret_cast<const char*>(j.k + at);
+    const char* vr = reinterpret_cast<const char*>(j.v + at);
+    for (int64_t b = 0; b < row_bytes; b += 64) {
+      __builtin_prefetch(kr + b);
+      __builtin_prefetch(vr + b);
+    }
+  };
+  offsets(0, next);
+  for (int64_t t = 0; t < kBlock; ++t) fetch(next[t]);
+  for (int64_t j0 = 0; j0 < keys; j0 += kBlock) {
+    const int64_t n = std::min(kBlock, keys - j0);
+    std::memcpy(off, next, sizeof(off));
+    offsets(j0 + kBlock, next);
+    const int64_t groups = (n + 15) / 16;
+    for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+      const int rg = static_cast<int>(std::min<int64_t>(4, rows - r0));
+      float* pr = part.data() + r0 * kBlock * 16;
+      const float* qr = q + r0 * hd;
+      for (int64_t t = 0; t < 16 * groups; t += 2) {
+        // keys past the block's end: key 0 again (their lanes are masked below), so every slot holds finite sums
+        const T* k0 = j.k + off[t < n ? t : 0];
+        const T* k1 = j.k + off[t + 1 < n ? t + 1 : 0];
+        const int64_t s0 = (t / 16) * 16 + kRev4[t % 16], s1 = (t / 16) * 16 + kRev4[(t + 1) % 16];
+        if (r0 == 0) {
+          fetch(next[t]);
+          fetch(next[t + 1]);
+        }
+        switch (rg) {
+          case 1: partial_scores<1>(qr, hd, k0, k1, pr, s0, s1); break;
+          case 2: partial_scores<2>(qr, hd, k0, k1, pr, s0, s1); break;
+          case 3: partial_scores<3>(qr, hd, k0, k1, pr, s0, s1); break;
+          default: partial_scores<4>(qr, hd, k0, k1, pr, s0, s1); break;
+        }
+      }
+    }
+    int64_t reach = 0;  // keys of the block that some row sees
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t seen = std::min<int64_t>(n, pos[r] - j0 + 1);
+      float* pb = prob.data() + r * kBlock;
+      if (seen <= 0) {  // nothing of this block: p = 0, the row unchanged
+        std::fill(pb, pb + kBlock, 0.0f);
+        alpha[r] = 1.0f;
+        continue;
+      }
+      reach = std::max(reach, seen);
+      v16 s[kBlock / 16];
+      float top = m[r];
+      for (int64_t g = 0; g < groups; ++g) {
+        s[g] = lane_sums16(part.data() + (r * kBlock + 16 * g) * 16);
+        s[g] = lane + static_cast<float>(16 * g) < static_cast<float>(seen) ? s[g] : neg;
+        top = std::max(top, lane_max(s[g]));
+      }
+      alpha[r] = std::exp(m[r] - top);
+      const v16 tv = qcompile_native::splat(top);
+      float sum = 0.0f;
+      for (int64_t g = 0; g < kBlock / 16; ++g) {
+        const v16 p = g < groups && lane + static_cast<float>(16 * g) < static_cast<float>(seen)
+                          ? qcompile_native::exp16(s[g] - tv)
+                          : v16{};
+        sum += lane_sum(p);
+        store(pb + 16 * g, p);
+      }
+      l[r] = l[r] * alpha[r] + sum;
+      m[r] = top;
+    }
+    if (reach == 0) continue;
+    for (int64_t c = 0; c < hd; c += 64)
+      for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+        const float* pb = prob.data() + r0 * kBlock;
+        float* o = out + r0 * hd;
+        switch (std::min<int64_t>(4, rows - r0)) {
+          case 1: weighted_values<1>(j.v, off, reach, pb, alpha.data() + r0, o, hd, c); break;
+          case 2: weighted_values<2>(j.v, off, reach, pb, alpha.data() + r0, o, hd, c); break;
+          case 3: weighted_values<3>(j.v, off, reach, pb, alpha.data() + r0, o, hd, c); break;
+          default: weighted_values<4>(j.v, off, reach, pb, alpha.data() + r0, o, hd, c); break;
+        }
+      }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const float inv = l[r] > 0.0f ? 1.0f / l[r] : 1.0f;
+    for (int64_t c = 0; c < hd; ++c) out[r * hd + c] *= inv;
+  }
+}
+
 template <class T>
 void run_item(const Job<T>& j, int64_t item) {
   const int64_t w = item / j.kv_heads, h = item % j.kv_heads;
@@ -185,6 +391,10 @@ void run_item(const Job<T>& j, int64_t item) {
   const int64_t keys = std::min<int64_t>(last + 1, j.per_seq * j.page_size);
   if (rows >= kTiledRows) {
     run_item_tiled(j, item, keys);
+    return;
+  }
+  if (hd % 64 == 0) {
+    run_item_rows(j, item, keys);
     return;
   }
   thread_local std::vector<float> m, l, s, kw, vw;
