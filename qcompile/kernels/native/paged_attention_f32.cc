@@ -77,6 +77,23 @@ inline int64_t key_offset(const Job<T>& j, int64_t w, int64_t h, int64_t key) {
   return ((page * j.page_size + key % j.page_size) * j.kv_heads + h) * j.hd;
 }
 
+// The largest lane and the sum of the lanes, as trees (4 dependent steps instead of 16).
+inline v16 larger(v16 a, v16 b) { return a > b ? a : b; }
+
+inline float lane_max(v16 x) {
+  x = larger(x, __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
+  x = larger(x, __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
+  x = larger(x, __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
+  return std::max(x[0], x[1]);
+}
+
+inline float lane_sum(v16 x) {
+  x += __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  x += __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+  x += __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+  return x[0] + x[1];
+}
+
 // Many rows (a prefill tile of queries, the GQA group of each): per key block, the block's keys transposed once
 // ([hd][kBlock], zero past the block's end) and its values widened; then per group of kRowTile rows the scores are a
 // register-tiled product (kRowTile x 32 accumulators over hd), the online softmax runs on 16-key vectors (exp16),
@@ -137,13 +154,13 @@ void run_item_tiled(const Job<T>& j, int64_t item, int64_t keys) {
         const v16 neg = qcompile_native::splat(-INFINITY);
         const v16 s0 = lane < seen ? acc[i][0] : neg, s1 = lane + 16.0f < seen ? acc[i][1] : neg;
         float top = m[r];
-        for (int c = 0; c < 16; ++c) top = std::max(top, std::max(s0[c], s1[c]));
+        top = std::max(top, lane_max(larger(s0, s1)));
         alpha[i] = std::exp(m[r] - top);
         const v16 tv = qcompile_native::splat(top);
         const v16 p0 = lane < seen ? qcompile_native::exp16(s0 - tv) : v16{};
         const v16 p1 = lane + 16.0f < seen ? qcompile_native::exp16(s1 - tv) : v16{};
         float sum = 0.0f;
-        for (int c = 0; c < 16; ++c) sum += p0[c] + p1[c];
+        sum = lane_sum(p0 + p1);
         l[r] = l[r] * alpha[i] + sum;
         m[r] = top;
         acc[i][0] = p0;
@@ -201,23 +218,6 @@ inline v16 lane_sums16(const float* a) {  // a: 16 vectors of 16 floats, one aft
            __builtin_shufflevector(c[2 * i], c[2 * i + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
   return __builtin_shufflevector(d[0], d[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
          __builtin_shufflevector(d[0], d[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
-}
-
-// The largest lane and the sum of the lanes, as trees (4 dependent steps instead of 16).
-inline v16 larger(v16 a, v16 b) { return a > b ? a : b; }
-
-inline float lane_max(v16 x) {
-  x = larger(x, __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
-  x = larger(x, __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
-  x = larger(x, __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
-  return std::max(x[0], x[1]);
-}
-
-inline float lane_sum(v16 x) {
-  x += __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
-  x += __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
-  x += __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
-  return x[0] + x[1];
 }
 
 // Partial scores of rows r0..r0+RG-1 against keys t and t + 1 (two keys at a time: 2·RG independent FMA chains):
