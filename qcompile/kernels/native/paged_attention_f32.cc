@@ -101,6 +101,70 @@ inline float lane_sum(v16 x) {
 // The same blocks, the same per-block maximum and rescale as the row-at-a-time path.
 constexpr int64_t kRowTile = 4;
 
+// One group of NR rows (at q, pos, m, l, out) against a block of n keys (kt: transposed [hd][kBlock], zero past n;
+// vw: values [kBlock][hd] in f32): the scores as an NR x 32 register tile over hd, the online softmax on 16-key
+// vectors, then P·V 64 output columns at a time (a scalar tail for hd not a multiple of 64). NR is a template
+// parameter so the accumulators stay in registers (with a run-time row count they went through the stack).
+template <int NR>
+void tiled_group(const float* q, int64_t hd, const float* kt, const float* vw, int64_t n, int64_t j0,
+                 const int32_t* pos, float* m, float* l, float* out) {
+  v16 acc[NR][2];
+  for (int i = 0; i < NR; ++i) acc[i][0] = acc[i][1] = v16{};
+  for (int64_t d = 0; d < hd; ++d) {
+    const v16 k0 = load(kt + d * kBlock), k1 = load(kt + d * kBlock + 16);
+    for (int i = 0; i < NR; ++i) {
+      const v16 a = qcompile_native::splat(q[i * hd + d]);
+      acc[i][0] += a * k0;
+      acc[i][1] += a * k1;
+    }
+  }
+  const v16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  const v16 neg = qcompile_native::splat(-INFINITY);
+  alignas(64) float prob[NR][kBlock];
+  float alpha[NR];
+  for (int i = 0; i < NR; ++i) {
+    const float seen = static_cast<float>(std::min<int64_t>(n, pos[i] - j0 + 1));
+    if (seen <= 0) {  // nothing of this block: p = 0, the row unchanged
+      store(prob[i], v16{});
+      store(prob[i] + 16, v16{});
+      alpha[i] = 1.0f;
+      continue;
+    }
+    const v16 s0 = lane < seen ? acc[i][0] : neg, s1 = lane + 16.0f < seen ? acc[i][1] : neg;
+    const float top = std::max(m[i], lane_max(larger(s0, s1)));
+    alpha[i] = std::exp(m[i] - top);
+    const v16 tv = qcompile_native::splat(top);
+    const v16 p0 = lane < seen ? qcompile_native::exp16(s0 - tv) : v16{};
+    const v16 p1 = lane + 16.0f < seen ? qcompile_native::exp16(s1 - tv) : v16{};
+    l[i] = l[i] * alpha[i] + lane_sum(p0 + p1);
+    m[i] = top;
+    store(prob[i], p0);
+    store(prob[i] + 16, p1);
+  }
+  int64_t c = 0;
+  for (; c + 64 <= hd; c += 64) {
+    v16 o[NR][4];
+    for (int i = 0; i < NR; ++i)
+      for (int u = 0; u < 4; ++u) o[i][u] = load(out + i * hd + c + 16 * u) * alpha[i];
+    for (int64_t t = 0; t < n; ++t) {
+      v16 vv[4];
+      for (int u = 0; u < 4; ++u) vv[u] = load(vw + t * hd + c + 16 * u);
+      for (int i = 0; i < NR; ++i) {
+        const v16 p = qcompile_native::splat(prob[i][t]);
+        for (int u = 0; u < 4; ++u) o[i][u] += p * vv[u];
+      }
+    }
+    for (int i = 0; i < NR; ++i)
+      for (int u = 0; u < 4; ++u) store(out + i * hd + c + 16 * u, o[i][u]);
+  }
+  for (; c < hd; ++c)
+    for (int i = 0; i < NR; ++i) {
+      float acc_c = out[i * hd + c] * alpha[i];
+      for (int64_t t = 0; t < n; ++t) acc_c += prob[i][t] * vw[t * hd + c];
+      out[i * hd + c] = acc_c;
+    }
+}
+
 template <class T>
 void run_item_tiled(const Job<T>& j, int64_t item, int64_t keys) {
   const int64_t w = item / j.kv_heads, h = item % j.kv_heads;
@@ -114,7 +178,6 @@ void run_item_tiled(const Job<T>& j, int64_t item, int64_t keys) {
   kt.resize(hd * kBlock);
   vw.resize(kBlock * hd);
   std::fill(out, out + rows * hd, 0.0f);
-  const v16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   for (int64_t j0 = 0; j0 < keys; j0 += kBlock) {
     const int64_t n = std::min(kBlock, keys - j0);
     for (int64_t t = 0; t < kBlock; ++t) {
@@ -129,66 +192,17 @@ void run_item_tiled(const Job<T>& j, int64_t item, int64_t keys) {
       }
     }
     for (int64_t r0 = 0; r0 < rows; r0 += kRowTile) {
-      const int64_t nr = std::min(kRowTile, rows - r0);
       int64_t reach = -1;  // the furthest key any row of the group sees
-      for (int64_t i = 0; i < nr; ++i) reach = std::max<int64_t>(reach, pos[r0 + i]);
+      for (int64_t i = r0; i < std::min(rows, r0 + kRowTile); ++i) reach = std::max<int64_t>(reach, pos[i]);
       if (reach < j0) continue;  // no row of the group sees a key of this block
-      v16 acc[kRowTile][2] = {};
-      for (int64_t d = 0; d < hd; ++d) {
-        const v16 k0 = load(kt.data() + d * kBlock), k1 = load(kt.data() + d * kBlock + 16);
-        for (int64_t i = 0; i < nr; ++i) {
-          const v16 a = qcompile_native::splat(q[(r0 + i) * hd + d]);
-          acc[i][0] += a * k0;
-          acc[i][1] += a * k1;
-        }
+      float* o = out + r0 * hd;
+      const float* qr = q + r0 * hd;
+      switch (std::min(kRowTile, rows - r0)) {
+        case 1: tiled_group<1>(qr, hd, kt.data(), vw.data(), n, j0, pos + r0, m.data() + r0, l.data() + r0, o); break;
+        case 2: tiled_group<2>(qr, hd, kt.data(), vw.data(), n, j0, pos + r0, m.data() + r0, l.data() + r0, o); break;
+        case 3: tiled_group<3>(qr, hd, kt.data(), vw.data(), n, j0, pos + r0, m.data() + r0, l.data() + r0, o); break;
+        default: tiled_group<4>(qr, hd, kt.data(), vw.data(), n, j0, pos + r0, m.data() + r0, l.data() + r0, o); break;
       }
-      float alpha[kRowTile];
-      for (int64_t i = 0; i < kRowTile; ++i) {
-        const int64_t r = r0 + i;
-        const float seen = i < nr ? static_cast<float>(std::min<int64_t>(n, pos[r] - j0 + 1)) : 0.0f;
-        if (seen <= 0) {  // nothing of this block: p = 0, the row unchanged
-          acc[i][0] = acc[i][1] = v16{};
-          alpha[i] = 1.0f;
-          continue;
-        }
-        const v16 neg = qcompile_native::splat(-INFINITY);
-        const v16 s0 = lane < seen ? acc[i][0] : neg, s1 = lane + 16.0f < seen ? acc[i][1] : neg;
-        float top = m[r];
-        top = std::max(top, lane_max(larger(s0, s1)));
-        alpha[i] = std::exp(m[r] - top);
-        const v16 tv = qcompile_native::splat(top);
-        const v16 p0 = lane < seen ? qcompile_native::exp16(s0 - tv) : v16{};
-        const v16 p1 = lane + 16.0f < seen ? qcompile_native::exp16(s1 - tv) : v16{};
-        float sum = 0.0f;
-        sum = lane_sum(p0 + p1);
-        l[r] = l[r] * alpha[i] + sum;
-        m[r] = top;
-        acc[i][0] = p0;
-        acc[i][1] = p1;
-      }
-      // P·V: 64 output columns (4 vectors) for the group's rows at a time, then a scalar tail
-      int64_t c = 0;
-      for (; c + 64 <= hd; c += 64) {
-        v16 o[kRowTile][4];
-        for (int64_t i = 0; i < nr; ++i)
-          for (int v = 0; v < 4; ++v) o[i][v] = load(out + (r0 + i) * hd + c + 16 * v) * alpha[i];
-        for (int64_t t = 0; t < n; ++t) {
-          v16 vv[4];
-          for (int v = 0; v < 4; ++v) vv[v] = load(vw.data() + t * hd + c + 16 * v);
-          for (int64_t i = 0; i < nr; ++i) {
-            const v16 p = qcompile_native::splat(acc[i][t / 16][t % 16]);
-            for (int v = 0; v < 4; ++v) o[i][v] += p * vv[v];
-          }
-        }
-        for (int64_t i = 0; i < nr; ++i)
-          for (int v = 0; v < 4; ++v) store(out + (r0 + i) * hd + c + 16 * v, o[i][v]);
-      }
-      for (; c < hd; ++c)
-        for (int64_t i = 0; i < nr; ++i) {
-          float o = out[(r0 + i) * hd + c] * alpha[i];
-          for (int64_t t = 0; t < n; ++t) o += acc[i][t / 16][t % 16] * vw[t * hd + c];
-          out[(r0 + i) * hd + c] = o;
-        }
     }
   }
   for (int64_t r = 0; r < rows; ++r) {
