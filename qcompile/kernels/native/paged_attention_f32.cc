@@ -94,6 +94,29 @@ inline float lane_sum(v16 x) {
   return x[0] + x[1];
 }
 
+// Item `item` of a job: its sequence w and KV head h, its R query rows, their positions and its R output rows.
+template <class T>
+struct ItemRows {
+  int64_t w, h;
+  const float* q;
+  const int32_t* pos;
+  float* out;
+};
+
+template <class T>
+inline ItemRows<T> item_rows(const Job<T>& j, int64_t item) {
+  const int64_t w = item / j.kv_heads;
+  return {w, item % j.kv_heads, j.q + item * j.rows * j.hd, j.pos + w * j.rows, j.out + item * j.rows * j.hd};
+}
+
+// The online softmax's last step: each row divided by its sum of weights (a row that saw no key stays 0).
+inline void normalize_rows(float* out, const float* l, int64_t rows, int64_t hd) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float inv = l[r] > 0.0f ? 1.0f / l[r] : 1.0f;
+    for (int64_t c = 0; c < hd; ++c) out[r * hd + c] *= inv;
+  }
+}
+
 // Many rows (a prefill tile of queries, the GQA group of each): per key block, the block's keys transposed once
 // ([hd][kBlock], zero past the block's end) and its values widened; then per group of kRowTile rows the scores are a
 // register-tiled product (kRowTile x 32 accumulators over hd), the online softmax runs on 16-key vectors (exp16),
@@ -167,11 +190,8 @@ void tiled_group(const float* q, int64_t hd, const float* kt, const float* vw, i
 
 template <class T>
 void run_item_tiled(const Job<T>& j, int64_t item, int64_t keys) {
-  const int64_t w = item / j.kv_heads, h = item % j.kv_heads;
+  const auto [w, h, q, pos, out] = item_rows(j, item);
   const int64_t rows = j.rows, hd = j.hd;
-  const float* q = j.q + (w * j.kv_heads + h) * rows * hd;
-  const int32_t* pos = j.pos + w * rows;
-  float* out = j.out + (w * j.kv_heads + h) * rows * hd;
   thread_local std::vector<float> m, l, kt, vw;
   m.assign(rows, -1e30f);
   l.assign(rows, 0.0f);
@@ -205,10 +225,7 @@ void run_item_tiled(const Job<T>& j, int64_t item, int64_t keys) {
       }
     }
   }
-  for (int64_t r = 0; r < rows; ++r) {
-    const float inv = l[r] > 0.0f ? 1.0f / l[r] : 1.0f;
-    for (int64_t c = 0; c < hd; ++c) out[r * hd + c] *= inv;
-  }
+  normalize_rows(out, l.data(), rows, hd);
 }
 
 // The lane sums of 16 vectors as one vector: lane i holds the sum of a[kRev4[i]]'s lanes (kRev4 reverses 4 bits and
@@ -279,11 +296,9 @@ inline void weighted_values(const T* v, const int64_t* off, int64_t n, const flo
 // each value vector read once per column chunk. The same blocks, per-block maximum and rescale as run_item.
 template <class T>
 void run_item_rows(const Job<T>& j, int64_t item, int64_t keys) {
-  const int64_t w = item / j.kv_heads, h = item % j.kv_heads;
+  const auto [item_w, item_h, q, pos, out] = item_rows(j, item);
+  const int64_t w = item_w, h = item_h;  // the lambdas below capture them (C++17 cannot capture a binding)
   const int64_t rows = j.rows, hd = j.hd;
-  const float* q = j.q + (w * j.kv_heads + h) * rows * hd;
-  const int32_t* pos = j.pos + w * rows;
-  float* out = j.out + (w * j.kv_heads + h) * rows * hd;
   thread_local std::vector<float> m, l, part, prob, alpha;
   m.assign(rows, -1e30f);
   l.assign(rows, 0.0f);
@@ -387,19 +402,13 @@ void run_item_rows(const Job<T>& j, int64_t item, int64_t keys) {
         }
       }
   }
-  for (int64_t r = 0; r < rows; ++r) {
-    const float inv = l[r] > 0.0f ? 1.0f / l[r] : 1.0f;
-    for (int64_t c = 0; c < hd; ++c) out[r * hd + c] *= inv;
-  }
+  normalize_rows(out, l.data(), rows, hd);
 }
 
 template <class T>
 void run_item(const Job<T>& j, int64_t item) {
-  const int64_t w = item / j.kv_heads, h = item % j.kv_heads;
+  const auto [w, h, q, pos, out] = item_rows(j, item);
   const int64_t rows = j.rows, hd = j.hd;
-  const float* q = j.q + (w * j.kv_heads + h) * rows * hd;
-  const int32_t* pos = j.pos + w * rows;
-  float* out = j.out + (w * j.kv_heads + h) * rows * hd;
   int64_t last = -1;  // the largest position any row of the item sees
   for (int64_t r = 0; r < rows; ++r) last = std::max<int64_t>(last, pos[r]);
   const int64_t keys = std::min<int64_t>(last + 1, j.per_seq * j.page_size);
@@ -458,10 +467,7 @@ void run_item(const Job<T>& j, int64_t item) {
       }
     }
   }
-  for (int64_t r = 0; r < rows; ++r) {
-    const float inv = l[r] > 0.0f ? 1.0f / l[r] : 1.0f;
-    for (int64_t c = 0; c < hd; ++c) out[r * hd + c] *= inv;
-  }
+  normalize_rows(out, l.data(), rows, hd);
 }
 
 template <class T>
