@@ -134,7 +134,8 @@ void tiled_group(const float* q, int64_t hd, const float* kt, const float* vw, i
   v16 acc[NR][2];
   for (int i = 0; i < NR; ++i) acc[i][0] = acc[i][1] = v16{};
   for (int64_t d = 0; d < hd; ++d) {
-    const v16 k0 = load(kt + d * kBlock), k1 = load(kt + d * kBlock + 16);
+    v16 k0 = load(kt + d * kBlock), k1 = load(kt + d * kBlock + 16);
+    asm("" : "+v"(k0), "+v"(k1));  // in registers: GCC would fold each use into an FMA's memory operand
     for (int i = 0; i < NR; ++i) {
       const v16 a = qcompile_native::splat(q[i * hd + d]);
       acc[i][0] += a * k0;
@@ -172,6 +173,7 @@ void tiled_group(const float* q, int64_t hd, const float* kt, const float* vw, i
     for (int64_t t = 0; t < n; ++t) {
       v16 vv[4];
       for (int u = 0; u < 4; ++u) vv[u] = load(vw + t * hd + c + 16 * u);
+      asm("" : "+v"(vv[0]), "+v"(vv[1]), "+v"(vv[2]), "+v"(vv[3]));
       for (int i = 0; i < NR; ++i) {
         const v16 p = qcompile_native::splat(prob[i][t]);
         for (int u = 0; u < 4; ++u) o[i][u] += p * vv[u];
@@ -206,10 +208,10 @@ void run_item_tiled(const Job<T>& j, int64_t item, int64_t keys) {
         continue;
       }
       const int64_t at = key_offset(j, w, h, j0 + t);
-      for (int64_t d = 0; d < hd; ++d) {
-        kt[d * kBlock + t] = value_as_f32(j.k + at + d);
-        vw[t * hd + d] = value_as_f32(j.v + at + d);
-      }
+      for (int64_t d = 0; d < hd; ++d) kt[d * kBlock + t] = value_as_f32(j.k + at + d);
+      int64_t d = 0;
+      for (; d + 16 <= hd; d += 16) store(vw.data() + t * hd + d, qcompile_native::load_as_f32(j.v + at + d));
+      for (; d < hd; ++d) vw[t * hd + d] = value_as_f32(j.v + at + d);
     }
     for (int64_t r0 = 0; r0 < rows; r0 += kRowTile) {
       int64_t reach = -1;  // the furthest key any row of the group sees
