@@ -264,6 +264,9 @@ CASES = [  # lengths, slots (S = 5; 7 is out of range), hk, hv, dk, dv, taps, pa
 # dv = 20, for the native kernel: bf16 state rows of a decode token widened and rounded 16 values at a time in
 # registers, then the last 4 singly
 WIDE_ROWS_CASE = ((1, 1, 3), (2, 0, 4), 1, 2, 8, 20, 4, 1)
+# dv = 128 (every Qwen size), for the native kernel's unrolled delta rule (delta_rule_token_fixed): prefill sequences,
+# a decode token and an empty sequence
+DV128_CASE = ((1, 6, 0, 3), (2, 0, 4, 1), 1, 2, 16, 128, 4, 1)
 
 
 def _check(fn, rng, case, state_dtype, what, tol):
@@ -293,7 +296,7 @@ def test_reference_and_native_kernel_match_the_oracle(state_dtype):
     variant = "f32" if state_dtype == np.float32 else "bf16"
     if native.ensure(gdn_fused.NATIVE[variant]):
         fns.append(("native", gdn_fused.gdn_fused_native))
-    for case in CASES + [WIDE_ROWS_CASE]:
+    for case in CASES + [WIDE_ROWS_CASE, DV128_CASE]:
         for what, fn in fns:
             _check(fn, rng, case, state_dtype, what, tol)
 
@@ -311,7 +314,7 @@ def test_native_kernel_rounds_a_bf16_graph_as_its_ops_round(states):
     if not native.ensure(variant):
         pytest.skip(f"the native kernel {variant} cannot be built here")
     rng = np.random.default_rng(15)
-    for case in CASES + [WIDE_ROWS_CASE]:
+    for case in CASES + [WIDE_ROWS_CASE, DV128_CASE]:
         lengths, slots, hk, hv, dk, dv, taps, pad = case
         args = list(_draw(rng, lengths, 5, slots, hk, hv, dk, dv, taps, np.float32, pad))
         for i in range(8):  # the activations, weights and conv state in bf16; the recurrent state per `states`
