@@ -797,7 +797,7 @@ def test_paged_attention_kernel_on_prefill_tiles_matches_the_jnp_blocks(dtype):
 
     rng = np.random.default_rng(8)
     np_dtype = np.float32 if dtype == "f32" else ml_dtypes.bfloat16
-    for hd, rows in ((80, 24), (20, 9), (128, 64)):
+    for hd, rows in ((80, 48), (20, 33), (128, 64)):  # (items of 32 rows or more take the tiled path)
         items, kv_heads, ps, per_seq, num_pages = 4, 2, 8, 16, 70
         k_pages = jnp.asarray(rng.standard_normal((num_pages, ps, kv_heads, hd)).astype(np_dtype))
         v_pages = jnp.asarray(rng.standard_normal((num_pages, ps, kv_heads, hd)).astype(np_dtype))

@@ -94,6 +94,33 @@ inline float lane_sum(v16 x) {
   return x[0] + x[1];
 }
 
+// One row's online-softmax step over a block of kBlock = 32 scores (s0: keys 0-15, s1: keys 16-31), of which the
+// first `seen` count: their weights e^(s - max) into prob[0:32] (0 past seen), the row's running maximum m and sum l
+// updated; returns alpha = e^(m_before - m), the factor that rescales what the row accumulated before. A row that
+// sees no key of the block gets zero weights and alpha 1.
+static_assert(kBlock == 32, "block_softmax takes a block as two 16-lane vectors");
+inline float block_softmax(v16 s0, v16 s1, float seen, float& m, float& l, float* prob) {
+  if (seen <= 0) {
+    store(prob, v16{});
+    store(prob + 16, v16{});
+    return 1.0f;
+  }
+  const v16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  const v16 neg = qcompile_native::splat(-INFINITY);
+  s0 = lane < seen ? s0 : neg;
+  s1 = lane + 16.0f < seen ? s1 : neg;
+  const float top = std::max(m, lane_max(larger(s0, s1)));
+  const float alpha = std::exp(m - top);
+  const v16 tv = qcompile_native::splat(top);
+  const v16 p0 = lane < seen ? qcompile_native::exp16(s0 - tv) : v16{};
+  const v16 p1 = lane + 16.0f < seen ? qcompile_native::exp16(s1 - tv) : v16{};
+  l = l * alpha + lane_sum(p0 + p1);
+  m = top;
+  store(prob, p0);
+  store(prob + 16, p1);
+  return alpha;
+}
+
 // Item `item` of a job: its sequence w and KV head h, its R query rows, their positions and its R output rows.
 template <class T>
 struct ItemRows {
@@ -142,29 +169,11 @@ void tiled_group(const float* q, int64_t hd, const float* kt, const float* vw, i
       acc[i][1] += a * k1;
     }
   }
-  const v16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-  const v16 neg = qcompile_native::splat(-INFINITY);
   alignas(64) float prob[NR][kBlock];
   float alpha[NR];
-  for (int i = 0; i < NR; ++i) {
-    const float seen = static_cast<float>(std::min<int64_t>(n, pos[i] - j0 + 1));
-    if (seen <= 0) {  // nothing of this block: p = 0, the row unchanged
-      store(prob[i], v16{});
-      store(prob[i] + 16, v16{});
-      alpha[i] = 1.0f;
-      continue;
-    }
-    const v16 s0 = lane < seen ? acc[i][0] : neg, s1 = lane + 16.0f < seen ? acc[i][1] : neg;
-    const float top = std::max(m[i], lane_max(larger(s0, s1)));
-    alpha[i] = std::exp(m[i] - top);
-    const v16 tv = qcompile_native::splat(top);
-    const v16 p0 = lane < seen ? qcompile_native::exp16(s0 - tv) : v16{};
-    const v16 p1 = lane + 16.0f < seen ? qcompile_native::exp16(s1 - tv) : v16{};
-    l[i] = l[i] * alpha[i] + lane_sum(p0 + p1);
-    m[i] = top;
-    store(prob[i], p0);
-    store(prob[i] + 16, p1);
-  }
+  for (int i = 0; i < NR; ++i)
+    alpha[i] = block_softmax(acc[i][0], acc[i][1], static_cast<float>(std::min<int64_t>(n, pos[i] - j0 + 1)), m[i],
+                             l[i], prob[i]);
   int64_t c = 0;
   for (; c + 64 <= hd; c += 64) {
     v16 o[NR][4];
@@ -309,8 +318,6 @@ void run_item_rows(const Job<T>& j, int64_t item, int64_t keys) {
   alpha.resize(rows);
   std::fill(out, out + rows * hd, 0.0f);
   int64_t off[kBlock];
-  const v16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-  const v16 neg = qcompile_native::splat(-INFINITY);
   const int64_t row_bytes = hd * static_cast<int64_t>(sizeof(T));
   int64_t next[kBlock];  // offsets of the next block's keys: prefetched two at a time while this block's are scored
   auto offsets = [&](int64_t start, int64_t* into) {  // one page-table lookup per page, not per key
@@ -364,32 +371,10 @@ void run_item_rows(const Job<T>& j, int64_t item, int64_t keys) {
     int64_t reach = 0;  // keys of the block that some row sees
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t seen = std::min<int64_t>(n, pos[r] - j0 + 1);
-      float* pb = prob.data() + r * kBlock;
-      if (seen <= 0) {  // nothing of this block: p = 0, the row unchanged
-        std::fill(pb, pb + kBlock, 0.0f);
-        alpha[r] = 1.0f;
-        continue;
-      }
       reach = std::max(reach, seen);
-      v16 s[kBlock / 16];
-      float top = m[r];
-      for (int64_t g = 0; g < groups; ++g) {
-        s[g] = lane_sums16(part.data() + (r * kBlock + 16 * g) * 16);
-        s[g] = lane + static_cast<float>(16 * g) < static_cast<float>(seen) ? s[g] : neg;
-        top = std::max(top, lane_max(s[g]));
-      }
-      alpha[r] = std::exp(m[r] - top);
-      const v16 tv = qcompile_native::splat(top);
-      float sum = 0.0f;
-      for (int64_t g = 0; g < kBlock / 16; ++g) {
-        const v16 p = g < groups && lane + static_cast<float>(16 * g) < static_cast<float>(seen)
-                          ? qcompile_native::exp16(s[g] - tv)
-                          : v16{};
-        sum += lane_sum(p);
-        store(pb + 16 * g, p);
-      }
-      l[r] = l[r] * alpha[r] + sum;
-      m[r] = top;
+      const float* pr = part.data() + r * kBlock * 16;
+      const v16 s0 = lane_sums16(pr), s1 = groups > 1 ? lane_sums16(pr + 16 * 16) : v16{};  // (s1 masked when n <= 16)
+      alpha[r] = block_softmax(s0, s1, static_cast<float>(seen), m[r], l[r], prob.data() + r * kBlock);
     }
     if (reach == 0) continue;
     for (int64_t c = 0; c < hd; c += 64)
