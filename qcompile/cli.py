@@ -54,6 +54,7 @@ def cli():
     qcompile bench CHECKPOINT|OUT [--compare transformers]    throughput, latency and % of roofline
     qcompile check OUT|CHECKPOINT --prompts FILE             optimized vs unoptimized on your prompts
     qcompile serve CHECKPOINT|OUT [--port 8000]               OpenAI-compatible HTTP server (continuous batching)
+    qcompile plan CONFIG|CHECKPOINT --target tpu7x --chips 4  per-device memory and step cost of a deployment
     qcompile passes                                          list the optimization passes
     qcompile reproduce DIR                                   re-run a numerics failure's reproducer
     qcompile init-tiny DIR --family qwen3_5_moe              write a random HF-format checkpoint
@@ -675,11 +676,14 @@ def serve_cmd(source, host, port, served_model_name, passes_spec, dtype, max_seq
         else:
             from qcompile.compiler.builds import builds_from_checkpoint
 
-            cache = CacheConfig(max_seqs=max_seqs or 8, max_context=max_context or 2048, num_pages=num_pages,
+            slots = max_seqs or 8
+            if mesh is not None and slots % mesh.size:  # as compile and run do (compiler/driver.py)
+                padded = -(-slots // mesh.size) * mesh.size
+                click.echo(f"qcompile: note: --max-seqs {slots} rounded up to {padded}, a multiple of the "
+                           f"{mesh.size} devices, so every data-parallel rank gets whole sequence slots", err=True)
+                slots, num_pages = padded, num_pages and -(-num_pages // mesh.size) * mesh.size
+            cache = CacheConfig(max_seqs=slots, max_context=max_context or 2048, num_pages=num_pages,
                                 max_step_tokens=max_step_tokens or 256)
-            if mesh is not None and cache.max_seqs % mesh.size:
-                raise UsageError(f"--max-seqs {cache.max_seqs} does not split over the {mesh.size} devices of "
-                                 f"--mesh {mesh_spec}; give a multiple of {mesh.size}")
             ckpt, _, builds, target = builds_from_checkpoint(
                 source, [passes_spec or "all"], dtype=dtype, mesh=mesh, verify=verify,
                 options=(("concurrency", cache.max_seqs), ("max_context", cache.max_context)),

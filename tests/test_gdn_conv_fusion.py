@@ -335,6 +335,40 @@ def test_native_kernel_rounds_a_bf16_graph_as_its_ops_round(states):
                 assert err <= bound, f"{case} {name} against the compiled reference: {err:.2e}"
 
 
+@pytest.mark.parametrize("states", ["bf16_conv", "bf16"])
+def test_native_kernel_takes_bf16_x_and_gives_bf16_output(states):
+    """A bf16 graph's x goes into the kernel as bf16 (widened per token inside, not converted to an f32 copy first)
+    and its output can come out in bf16: the same bits as the kernel on x's values in f32 with the f32 output
+    rounded to bf16 afterwards — padding rows 0, both states identical."""
+    variant = gdn_fused.NATIVE[states]
+    if not native.ensure(variant):
+        pytest.skip(f"the native kernel {variant} cannot be built here")
+    rng = np.random.default_rng(16)
+    for case in (CASES[0], CASES[1], DV128_CASE):
+        lengths, slots, hk, hv, dk, dv, taps, pad = case
+        args = list(_draw(rng, lengths, 5, slots, hk, hv, dk, dv, taps, np.float32, pad))
+        for i in (0, 3) + ((7,) if states == "bf16" else ()):
+            args[i] = jnp.asarray(np.asarray(args[i], np.float32) * (2 if i == 0 else 1), jnp.bfloat16)
+        widened = [jnp.asarray(t) for t in args]
+        widened[0] = widened[0].astype(jnp.float32)
+        # bf16_graph follows x's dtype; on f32 x of bf16 values, ask for it as a bf16 graph would
+        call = jax.ffi.ffi_call(gdn_fused.NATIVE[states], (
+            jax.ShapeDtypeStruct((widened[0].shape[0], hv, dv), jnp.float32),
+            jax.ShapeDtypeStruct(widened[3].shape, widened[3].dtype),
+            jax.ShapeDtypeStruct(widened[7].shape, widened[7].dtype)))
+        f32 = jnp.float32
+        want = jax.jit(lambda *t: call(*t[:4], t[4].astype(f32), t[5].astype(f32), t[6].astype(f32), *t[7:],
+                                       bf16_graph=1))(*widened)
+        native_bf16 = jax.jit(lambda *t: gdn_fused.gdn_fused_native(*t, out_dtype=jnp.bfloat16))
+        got = native_bf16(*(jnp.asarray(t) for t in args))
+        assert got[0].dtype == jnp.bfloat16
+        rounded = np.asarray(want[0].astype(jnp.bfloat16), np.float32)
+        assert np.array_equal(rounded, np.asarray(got[0], np.float32)), case
+        assert np.asarray(want[0]).any() and not np.asarray(got[0], np.float32)[int(sum(lengths)):].any()
+        for w, g in zip(want[1:], got[1:]):
+            assert np.array_equal(np.asarray(w, np.float32), np.asarray(g, np.float32)), case
+
+
 @pytest.mark.parametrize("interpret", [pytest.param("plain", marks=pytest.mark.slow), "tpu"])
 def test_pallas_kernel_matches_the_oracle(interpret):
     """Interpreted plainly and with TPU semantics (pltpu.InterpretParams: uninitialised memory is NaN, so an element

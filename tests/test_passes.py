@@ -55,6 +55,7 @@ def test_good_pipeline_reports_every_pass(tiny):
     assert swap.check["max_error"] == 0.0 and swap.check["bound"] == 0.0  # exact class: bitwise
     assert split.status == "applied" and split.stats["split"] >= 5 and split.check["max_error"] <= 1e-5
     assert skip.status == "skipped" and skip.reason == "needs 2+ devices, have 1" and skip.check is None
+    assert skip.note == "cost structure only on cpu"  # a skipped pass's record carries its cpu note too
     assert result.final_check.ok and result.final_check.max_error <= 1e-5
     assert set(result.final_check.errors) == set(model.graph.outputs)  # logits and every cache compared
     assert "skipped   needs 2+ devices" in skip.line() and "max error" in split.line()

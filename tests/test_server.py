@@ -306,6 +306,22 @@ def test_parse_completion_defaults_and_refusals():
         assert err.value.param == param
 
 
+
+def test_unsupported_fields_pass_at_their_no_op_values_only():
+    """OpenAI clients send the fields this server does not implement at their defaults — null, {}, "", 0 or 0.0,
+    false, 1 — and those must pass; anything that would change the result is refused, naming the field."""
+    info = ModelInfo("m", 100, 64, (2,))
+    defaults = {"echo": False, "logprobs": None, "best_of": 1, "suffix": "", "presence_penalty": 0.0,
+                "frequency_penalty": 0, "logit_bias": {}}
+    assert parse_completion({"prompt": [5], **defaults}, info).max_tokens == 16
+    assert parse_completion({"prompt": [5], **{field: None for field in defaults}}, info).max_tokens == 16
+    for field, value in (("echo", True), ("logprobs", 1), ("logprobs", 0), ("best_of", 2), ("best_of", True),
+                         ("suffix", " end"), ("presence_penalty", 0.5), ("frequency_penalty", -1),
+                         ("logit_bias", {"5": 100}), ("echo", 0)):
+        with pytest.raises(BadRequest) as err:
+            parse_completion({"prompt": [5], field: value}, info)
+        assert err.value.param == field, (field, value)
+
 def test_the_serve_command_starts_answers_and_stops_on_ctrl_c(model, tmp_path):
     """The real command: port 0, the address printed on stderr; SIGINT stops it with exit 0. A taken port and a
     missing checkpoint are one-line usage errors (exit 2)."""

@@ -106,7 +106,8 @@ def _crash(graph, ctx: PassContext) -> PassResult:
 
 SWAP_ADD = Pass("swap-add", "Swap add operands (exact).", _swap_add, "exact")
 SPLIT_LINEAR = Pass("split-linear", "Split linears into two halves (reassociating).", _split_linear, "reassociating")
-SKIPPER = Pass("needs-devices", "Skips on one device.", _skip, "exact", requires=("2+ devices",))
+SKIPPER = Pass("needs-devices", "Skips on one device.", _skip, "exact", requires=("2+ devices",),
+               cpu_note="cost structure only on cpu")
 GOOD = {p.name: p for p in (SWAP_ADD, SPLIT_LINEAR, SKIPPER)}
 
 LOOSEN_EPS = Pass("loosen-eps", "Broken: changes rmsnorm eps.", _loosen_eps, "reassociating")

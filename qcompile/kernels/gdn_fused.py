@@ -65,17 +65,20 @@ def gdn_fused_reference(x, a, b, conv_state, conv_w, a_log, dt_bias, state, quer
     return out, new_conv, new_state
 
 
-def gdn_fused_native(x, a, b, conv_state, conv_w, a_log, dt_bias, state, query_start, state_slots):
+def gdn_fused_native(x, a, b, conv_state, conv_w, a_log, dt_bias, state, query_start, state_slots,
+                     out_dtype=jnp.float32):
     """The native kernel (the states f32 or bf16, computed in f32; a bf16 x — a bf16 graph — has the conv's output,
     SiLU and β rounded to bf16 in the kernel where the compiled reference rounds them: β's quotient not, as XLA drops
-    a rounding followed at once by gates()' conversion to f32). Call only after `native.ensure(NATIVE[dtype])`
-    returned True."""
+    a rounding followed at once by gates()' conversion to f32). x goes in as it is (f32 or bf16: the kernel widens
+    each token's channels, where a conversion would write and read an f32 copy of the layer's largest activation),
+    and the output comes out in `out_dtype`, f32 or bf16 (each value rounded once, as converting the f32 result
+    would). Call only after `native.ensure(NATIVE[dtype])` returned True."""
     f32 = jnp.float32
-    out_types = (jax.ShapeDtypeStruct((x.shape[0], *state.shape[1:2], state.shape[3]), f32),
+    out_types = (jax.ShapeDtypeStruct((x.shape[0], *state.shape[1:2], state.shape[3]), out_dtype),
                  jax.ShapeDtypeStruct(conv_state.shape, conv_state.dtype), jax.ShapeDtypeStruct(state.shape, state.dtype))
     name = NATIVE[native_dtype(x, conv_state, state)]
     call = jax.ffi.ffi_call(name, out_types, input_output_aliases={3: 1, 7: 2})
-    return call(x.astype(f32), a.astype(f32), b.astype(f32), conv_state, conv_w.astype(f32), a_log.astype(f32),
+    return call(x, a.astype(f32), b.astype(f32), conv_state, conv_w.astype(f32), a_log.astype(f32),
                 dt_bias.astype(f32), state, query_start.astype(jnp.int32), state_slots.astype(jnp.int32),
                 bf16_graph=int(x.dtype == jnp.bfloat16))
 
@@ -96,9 +99,8 @@ def gdn_fused_cpu(x, a, b, conv_state, conv_w, a_log, dt_bias, state, query_star
     modes are honoured as the reference computes them), else the unfused CPU rules one after another."""
     variant = native_dtype(x, conv_state, state)
     if mode == "auto" and variant is not None and native.ensure(NATIVE[variant]):
-        out, new_conv, new_state = gdn_fused_native(x, a, b, conv_state, conv_w, a_log, dt_bias, state, query_start,
-                                                    state_slots)
-        return out.astype(x.dtype), new_conv, new_state
+        return gdn_fused_native(x, a, b, conv_state, conv_w, a_log, dt_bias, state, query_start, state_slots,
+                                out_dtype=x.dtype)
     y, new_conv = causal_conv1d_cpu(x, conv_state, conv_w, query_start, state_slots, "silu")
     q, k, v = split_heads(y, state.shape[1], state.shape[2], state.shape[3])
     g, beta = gates(a, b, a_log, dt_bias)

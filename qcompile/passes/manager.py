@@ -208,7 +208,8 @@ def run_pipeline(graph: Graph, passes: list[Pass], ctx: PassContext = PassContex
         trail = f" (after: {', '.join(ran)})" if ran else " (first pass)"
         check, check_seconds = None, 0.0
         if result.skipped is not None:
-            record = PassRecord(pass_.name, "skipped", False, dict(result.stats), result.skipped, seconds)
+            record = PassRecord(pass_.name, "skipped", False, dict(result.stats), result.skipped, seconds,
+                                note=pass_.cpu_note if ctx.target == "cpu" else "")
         else:
             if result.changed:
                 try:

@@ -38,11 +38,19 @@ from qcompile.runtime.serving import EngineLoop, LoopState
 __all__ = ["BadRequest", "Completion", "Metrics", "ModelInfo", "bind", "create_app", "parse_completion",
            "uvicorn_server"]
 
-#: OpenAI completion fields this server reads, and the ones it accepts only at their no-op value.
+#: OpenAI completion fields this server reads, and the ones it accepts only at their no-op values (null too).
 FIELDS = {"model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "n", "stop", "stop_token_ids",
           "ignore_eos", "stream", "stream_options", "user"}
-UNSUPPORTED = {"echo": False, "logprobs": None, "best_of": 1, "suffix": None, "presence_penalty": 0,
-               "frequency_penalty": 0, "logit_bias": None}
+UNSUPPORTED = {"echo": (False,), "logprobs": (), "best_of": (1,), "suffix": ("",), "presence_penalty": (0,),
+               "frequency_penalty": (0,), "logit_bias": ({},)}
+
+
+def _same_value(value, no_op) -> bool:
+    """value == no_op as JSON means it: 0 and 0.0 alike, but a boolean only equals a boolean (True is not 1)."""
+    if isinstance(value, bool) or isinstance(no_op, bool):
+        return value is no_op
+    numbers = isinstance(value, (int, float)) and isinstance(no_op, (int, float))
+    return (numbers or type(value) is type(no_op)) and value == no_op
 
 
 @attrs.frozen
@@ -147,7 +155,8 @@ def parse_completion(body, info: ModelInfo, tokenizer=None) -> Completion:
         raise BadRequest(None, "the request body must be a JSON object")
     for field in body:
         if field in UNSUPPORTED:
-            if body[field] not in (UNSUPPORTED[field], None):
+            value = body[field]
+            if value is not None and not any(_same_value(value, no_op) for no_op in UNSUPPORTED[field]):
                 raise BadRequest(field, f"'{field}' is not supported by this server")
         elif field not in FIELDS:
             raise BadRequest(field, f"unknown field '{field}'")

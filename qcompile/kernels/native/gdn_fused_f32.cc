@@ -3,12 +3,14 @@
 // qcompile/kernels/native.py; the CPU lowering of gated_delta_net (the gdn-conv-fusion pass's op) calls it.
 //
 // Inputs (ir/ops/gdn.py GatedDeltaNet's contract):
-//   x [T, C] f32 (the in_proj_qkv output, columns [q: Hk·dk | k: Hk·dk | v: Hv·dv]), a, b [T, Hv] f32,
+//   x [T, C] f32 or bf16 (the in_proj_qkv output, columns [q: Hk·dk | k: Hk·dk | v: Hv·dv]; bf16 values are
+//   widened as each token's channels are gathered), a, b [T, Hv] f32,
 //   (attr bf16_graph: x, a, b are a bf16 graph's values widened; the conv's sum is rounded to bf16 and SiLU and β's
 //   sigmoid computed as that graph's bf16 ops round them as compiled, bf16.h — the rest is f32 there too),
 //   conv_state [S, C, K-1], conv_w [C, K] f32, A_log, dt_bias [Hv] f32, state [S, Hv, dk, dv],
 //   query_start [B+1], state_slots [B].
-// Outputs: o [T, Hv, dv] f32, the new conv state and the new recurrent state, both aliasing their inputs (updated
+// Outputs: o [T, Hv, dv] f32 or bf16 (computed in f32; bf16 rounds each value once to nearest even, as converting
+// the f32 result would), the new conv state and the new recurrent state, both aliasing their inputs (updated
 // in place). Three entry points: states in f32; states in bf16 (the bf16-state pass), read into f32 at the start
 // of a sequence's tokens and rounded once (to nearest even) when they are written back — computed in f32 throughout;
 // and a bf16 conv state with an f32 recurrent state (a bf16 graph's caches).
@@ -65,14 +67,16 @@ inline float bf16_graph_beta(float b) {
 
 template <class ConvT, class StateT>
 struct Job {
-  const float *x, *a, *b, *conv_wt, *a_log, *dt_bias;  // conv_wt: the conv weights transposed, [K][C]
+  const void* x;  // [T, C], f32 or bf16 (x_bf16)
+  const float *a, *b, *conv_wt, *a_log, *dt_bias;  // conv_wt: the conv weights transposed, [K][C]
   ConvT* conv_state;
   StateT* state;
   const ConvT* const* conv_read;  // per sequence: the conv history it starts from ([C][K-1]), as stored before the call
-  float* out;
+  void* out;  // [T, Hv, dv], f32 or bf16 (out_bf16)
   const int32_t *query_start, *slots;
   int64_t t, c, k, s, hk, hv, dk, dv, nseq;
   bool bf16_graph;  // x, a, b hold bf16 values: the conv output and SiLU, and β, rounded as a bf16 graph rounds them
+  bool x_bf16, out_bf16;
 };
 
 template <class ConvT, class StateT>
@@ -91,6 +95,11 @@ void run_item(const Job<ConvT, StateT>& j, int64_t item) {
   const int64_t offset[3] = {0, dk, 2 * dk};
   auto gather = [&](const float* row, float* dst) {
     for (int r = 0; r < 3; ++r) std::memcpy(dst + offset[r], row + first[r], sizeof(float) * count[r]);
+  };
+  auto gather_token = [&](int64_t t, float* dst) {  // token t's channels of x, in f32
+    if (!j.x_bf16) return gather(static_cast<const float*>(j.x) + t * j.c, dst);
+    const uint16_t* row = static_cast<const uint16_t*>(j.x) + t * j.c;
+    for (int r = 0; r < 3; ++r) qcompile_native::widen(row + first[r], dst + offset[r], count[r]);
   };
 
   const int64_t slot = j.slots[seq];
@@ -121,12 +130,12 @@ void run_item(const Job<ConvT, StateT>& j, int64_t item) {
     else
       std::fill(states, states + ratio * per_head, 0.0f);
   }
-  static thread_local std::vector<float> kst, qst, row;
-  for (auto* buf : {&kst, &qst, &row})
+  static thread_local std::vector<float> kst, qst, row, orow;  // orow: a bf16 output's f32 values
+  for (auto* buf : {&kst, &qst, &row, &orow})
     if (static_cast<int64_t>(buf->size()) < dv) buf->resize(dv);
   const float q_scale = 1.0f / std::sqrt(static_cast<float>(dk));
   for (int64_t t = t0; t < t1; ++t) {
-    gather(j.x + t * j.c, xc.data());
+    gather_token(t, xc.data());
     const float* w_cur = wt.data() + width * nch;
     for (int64_t i = 0; i < nch; ++i) y[i] = w_cur[i] * xc[i];
     for (int64_t m = 0; m < width; ++m) {
@@ -157,13 +166,14 @@ void run_item(const Job<ConvT, StateT>& j, int64_t item) {
       const float g = -std::exp(j.a_log[h]) * softplus(j.a[t * j.hv + h] + j.dt_bias[h]);
       const float bt = j.b[t * j.hv + h];
       const float e = std::exp(g), beta = j.bf16_graph ? bf16_graph_beta(bt) : 1.0f / (1.0f + std::exp(-bt));
-      float* ot = j.out + (t * j.hv + h) * dv;
+      float* ot = j.out_bf16 ? orow.data() : static_cast<float*>(j.out) + (t * j.hv + h) * dv;
       if (direct)
         qcompile_native::delta_rule_token(stored + r * per_head, kv, qv, vt, e, beta, dk, dv, ot, kst.data(),
                                           qst.data(), row.data());
       else
         qcompile_native::delta_rule_token(states + r * per_head, kv, qv, vt, e, beta, dk, dv, ot, kst.data(),
                                           qst.data(), row.data());
+      if (j.out_bf16) qcompile_native::narrow(ot, static_cast<uint16_t*>(j.out) + (t * j.hv + h) * dv, dv);
     }
   }
   if (!in_range) return;
@@ -176,16 +186,18 @@ void run_item(const Job<ConvT, StateT>& j, int64_t item) {
 }
 
 template <ffi::DataType CD, ffi::DataType SD>
-ffi::Error GdnFused(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::F32> b,
+ffi::Error GdnFused(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::F32> b,
                     ffi::Buffer<CD> conv_state, ffi::Buffer<ffi::F32> conv_w, ffi::Buffer<ffi::F32> a_log,
                     ffi::Buffer<ffi::F32> dt_bias, ffi::Buffer<SD> state, ffi::Buffer<ffi::S32> query_start,
-                    ffi::Buffer<ffi::S32> slots, ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<CD> new_conv,
+                    ffi::Buffer<ffi::S32> slots, ffi::Result<ffi::AnyBuffer> out, ffi::ResultBuffer<CD> new_conv,
                     ffi::ResultBuffer<SD> new_state, int64_t bf16_graph) {
   using ConvT = ffi::NativeType<CD>;
   using StateT = ffi::NativeType<SD>;
   const auto xd = x.dimensions(), ad = a.dimensions(), csd = conv_state.dimensions(), wd = conv_w.dimensions();
   const auto sd = state.dimensions(), qsd = query_start.dimensions(), sld = slots.dimensions(), od = out->dimensions();
-  bool ok = xd.size() == 2 && ad.size() == 2 && csd.size() == 3 && wd.size() == 2 && sd.size() == 4 &&
+  const auto is_f32_or_bf16 = [](ffi::DataType t) { return t == ffi::DataType::F32 || t == ffi::DataType::BF16; };
+  bool ok = is_f32_or_bf16(x.element_type()) && is_f32_or_bf16(out->element_type()) && xd.size() == 2 &&
+            ad.size() == 2 && csd.size() == 3 && wd.size() == 2 && sd.size() == 4 &&
             qsd.size() == 1 && sld.size() == 1 && od.size() == 3;
   if (ok) {
     const int64_t hv = sd[1], dk = sd[2], dv = sd[3], c = xd[1];
@@ -197,16 +209,18 @@ ffi::Error GdnFused(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
   }
   if (!ok)
     return ffi::Error::InvalidArgument(
-        "qcompile gdn fused: expected x[T,C], a,b[T,Hv], conv_state[S,C,K-1], conv_w[C,K], A_log,dt_bias[Hv], "
-        "state[S,Hv,dk,dv] with C = 2·Hk·dk + Hv·dv, query_start[B+1], state_slots[B]");
+        "qcompile gdn fused: expected x[T,C] (f32 or bf16), a,b[T,Hv], conv_state[S,C,K-1], conv_w[C,K], "
+        "A_log,dt_bias[Hv], state[S,Hv,dk,dv] with C = 2·Hk·dk + Hv·dv, query_start[B+1], state_slots[B]; "
+        "o[T,Hv,dv] f32 or bf16");
   std::vector<float> conv_wt(conv_w.element_count());  // [C][K] -> [K][C], once per call (C·K floats)
   for (int64_t c = 0; c < wd[0]; ++c)
     for (int64_t m = 0; m < wd[1]; ++m) conv_wt[m * wd[0] + c] = conv_w.typed_data()[c * wd[1] + m];
   std::vector<const ConvT*> conv_read(sld[0]);
-  Job<ConvT, StateT> j{x.typed_data(), a.typed_data(), b.typed_data(), conv_wt.data(), a_log.typed_data(),
+  Job<ConvT, StateT> j{x.untyped_data(), a.typed_data(), b.typed_data(), conv_wt.data(), a_log.typed_data(),
                 dt_bias.typed_data(), new_conv->typed_data(), new_state->typed_data(), conv_read.data(),
-                out->typed_data(), query_start.typed_data(), slots.typed_data(), xd[0], xd[1], wd[1], sd[0],
-                (xd[1] - sd[1] * sd[3]) / (2 * sd[2]), sd[1], sd[2], sd[3], sld[0], bf16_graph != 0};
+                out->untyped_data(), query_start.typed_data(), slots.typed_data(), xd[0], xd[1], wd[1], sd[0],
+                (xd[1] - sd[1] * sd[3]) / (2 * sd[2]), sd[1], sd[2], sd[3], sld[0], bf16_graph != 0,
+                x.element_type() == ffi::DataType::BF16, out->element_type() == ffi::DataType::BF16};
   if (j.conv_state != conv_state.typed_data())  // not aliased: start from the inputs
     std::memcpy(j.conv_state, conv_state.typed_data(), sizeof(ConvT) * conv_state.element_count());
   if (j.state != state.typed_data())
@@ -231,7 +245,9 @@ ffi::Error GdnFused(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
       conv_read[seq] = snapshots.data() + (taken++) * block;
   }
   const int64_t valid = std::clamp<int64_t>(j.query_start[j.nseq], 0, j.t);
-  std::fill(j.out + valid * j.hv * j.dv, j.out + j.t * j.hv * j.dv, 0.0f);  // padding rows
+  const int64_t out_bytes = j.out_bf16 ? 2 : 4;  // padding rows: 0
+  std::memset(static_cast<char*>(j.out) + out_bytes * valid * j.hv * j.dv, 0,
+              out_bytes * (j.t - valid) * j.hv * j.dv);
   qcompile_native::parallel_items(pool, j.nseq * j.hk, [j](int64_t item) { run_item(j, item); });
   return ffi::Error::Success();
 }
@@ -241,7 +257,7 @@ ffi::Error GdnFused(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
 #define QCOMPILE_GDN_FUSED_BINDING(CD, SD)       \
   ffi::Ffi::Bind()                               \
       .Ctx<ffi::ThreadPool>()                    \
-      .Arg<ffi::Buffer<ffi::F32>>() /* x */      \
+      .Arg<ffi::AnyBuffer>() /* x */             \
       .Arg<ffi::Buffer<ffi::F32>>() /* a */      \
       .Arg<ffi::Buffer<ffi::F32>>() /* b */      \
       .Arg<ffi::Buffer<CD>>() /* conv_state */   \
@@ -251,7 +267,7 @@ ffi::Error GdnFused(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
       .Arg<ffi::Buffer<SD>>() /* state */        \
       .Arg<ffi::Buffer<ffi::S32>>()              \
       .Arg<ffi::Buffer<ffi::S32>>()              \
-      .Ret<ffi::Buffer<ffi::F32>>()              \
+      .Ret<ffi::AnyBuffer>() /* o */             \
       .Ret<ffi::Buffer<CD>>()                    \
       .Ret<ffi::Buffer<SD>>()                    \
       .Attr<int64_t>("bf16_graph")
