@@ -17,7 +17,7 @@ from pathlib import Path
 import click
 
 from qcompile import __version__
-from qcompile.errors import QCompileError, UsageError, one_line
+from qcompile.errors import CheckpointError, QCompileError, UsageError, one_line
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 110}
 
@@ -27,6 +27,10 @@ class DefaultGroup(click.Group):
 
     def parse_args(self, ctx, args):
         if args and args[0] not in self.commands and args[0] not in ("-h", "--help", "--version"):
+            word = args[0]
+            if not word.startswith("-") and not os.path.exists(word) and not any(c in word for c in "/\\."):
+                raise UsageError(f"'{word}' is neither a command nor a checkpoint path; the commands are "
+                                 f"{', '.join(sorted(self.commands))} (qcompile --help)")
             args = ["compile", *args]
         return super().parse_args(ctx, args)
 
@@ -84,7 +88,8 @@ def cli():
               help="Numerics checks: after each pass and at the end, only at the end, or none.")
 @click.option("--verify-layers", type=int, metavar="N",
               help="Check numerics on a slice of N real layers of each type (for models too large to run whole).")
-@click.option("--seed", default=0, show_default=True, help="Seed of the numerics check inputs.")
+@click.option("--seed", default=0, show_default=True, type=click.IntRange(min=0),
+              help="Seed of the numerics check inputs.")
 @click.option("--print-ir-after", "print_ir_after", multiple=True, metavar="PASS|all",
               help="Print the IR (stderr) after this pass; repeatable.")
 @click.option("--print-ir-after-change", is_flag=True, help="Print the IR (stderr) after every pass that changed it.")
@@ -132,12 +137,17 @@ def compile_cmd(checkpoint, passes_spec, output, report_path, dtype, page_size, 
     if output is not None:
         _check_output_dir(output, "-o")
         _check_artifact_target(output)
+        if output.resolve() == checkpoint.resolve() or output.resolve() in checkpoint.resolve().parents:
+            raise UsageError(f"-o {output}: the checkpoint {checkpoint} lies inside it, and writing the artifact "
+                             "replaces the directory; choose another -o")
     if report_path is not None:
-        _check_output_file(report_path, "--report")
+        _check_output_file(report_path, "--report", (checkpoint, output))
     if dump_dir is not None:
         _check_output_dir(dump_dir, "--dump-dir")
+        _refuse_overwriting_inputs(dump_dir, "--dump-dir", (checkpoint,))
     if repro_dir is not None:
         _check_output_dir(repro_dir, "--repro-dir")
+        _refuse_overwriting_inputs(repro_dir, "--repro-dir", (checkpoint,))
     if layout is not None and mesh_spec is None:
         raise UsageError("--layout needs --mesh (the plan lays the model out on the mesh's devices)")
     mesh = _setup_mesh(mesh_spec)
@@ -266,8 +276,8 @@ def use_host_devices(count: int) -> None:
 
 
 def _check_page_size(page_size: int) -> None:
-    if isinstance(page_size, bool) or page_size <= 0 or page_size & (page_size - 1):
-        raise UsageError(f"--page-size must be a positive power of two, got {page_size}")
+    if isinstance(page_size, bool) or page_size <= 0 or page_size & (page_size - 1) or page_size > 65536:
+        raise UsageError(f"--page-size must be a power of two from 1 to 65536, got {page_size}")
 
 
 def _nearest_existing(path: Path) -> Path:
@@ -278,7 +288,8 @@ def _nearest_existing(path: Path) -> Path:
 
 
 def _check_output_dir(path: Path, flag: str) -> None:
-    """`path` is, or can be created as, a writable directory (checked before any work)."""
+    """`path` is, or can be created as, a writable directory (checked before any work: a probe directory is made
+    and removed in its nearest existing ancestor — permission bits do not tell for root or for /proc)."""
     if path.exists() and not path.is_dir():
         raise UsageError(f"{flag} {path}: exists and is not a directory")
     base = _nearest_existing(path)
@@ -286,6 +297,12 @@ def _check_output_dir(path: Path, flag: str) -> None:
         raise UsageError(f"{flag} {path}: cannot create it, {base} is not a directory")
     if not os.access(base, os.W_OK | os.X_OK):
         raise UsageError(f"{flag} {path}: {base} is not writable")
+    import tempfile
+
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".qcompile-probe-", dir=base))
+    except OSError as err:
+        raise UsageError(f"{flag} {path}: cannot be written in {base} ({err.strerror or err})") from None
 
 
 def _check_artifact_target(out: Path) -> None:
@@ -297,16 +314,38 @@ def _check_artifact_target(out: Path) -> None:
                          "— choose another -o or empty it")
 
 
-def _check_output_file(path: Path, flag: str) -> None:
-    """`path` can be written as a file: its directory exists and is writable (checked before any work)."""
+def _check_output_file(path: Path, flag: str, inputs: tuple = ()) -> None:
+    """`path` can be written as a file — its directory exists and a file can be created there (tried: permission
+    bits do not tell for root or for /proc) — and writing it destroys none of `inputs` (files, or directories whose
+    contents are inputs). Checked before any work."""
     if path.is_dir():
         raise UsageError(f"{flag} {path}: is a directory; give a file name")
     parent = path.absolute().parent
     if not parent.is_dir():
         why = "is not a directory" if parent.exists() else "does not exist"
         raise UsageError(f"{flag} {path}: directory {parent} {why}")
+    _refuse_overwriting_inputs(path, flag, inputs)
     if not os.access(parent, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
         raise UsageError(f"{flag} {path}: not writable")
+    if not path.exists():
+        try:
+            with open(path, "x"):
+                pass
+            path.unlink()
+        except OSError as err:
+            raise UsageError(f"{flag} {path}: cannot be written ({err.strerror or err})") from None
+
+
+def _refuse_overwriting_inputs(path: Path, flag: str, inputs: tuple) -> None:
+    """An output path that is one of the command's inputs, or lies inside an input directory, is refused (exit 2):
+    writing it would replace what the user gave (a --report onto the checkpoint's config.json)."""
+    target = path.resolve()
+    for given in inputs:
+        if given is None:
+            continue
+        source = Path(given).resolve()
+        if target == source or (source.is_dir() and source in target.parents):
+            raise UsageError(f"{flag} {path}: would overwrite the input {given}; write it somewhere else")
 
 
 @cli.command("run", context_settings=CONTEXT)
@@ -378,7 +417,7 @@ def run_cmd(checkpoint, prompt_ids, prompt_texts, max_new_tokens, dtype, save_lo
     if save_logits is not None:
         if len(prompts) > 1:
             raise UsageError("--save-logits saves one prompt's logits; give one --prompt-ids with it")
-        _check_output_file(save_logits, "--save-logits")  # before loading: never fail after generating
+        _check_output_file(save_logits, "--save-logits", (checkpoint,))  # before loading: never fail after generating
     longest = max(len(ids) for ids in prompts)
     started = time.perf_counter()
     if is_artifact(checkpoint):
@@ -490,21 +529,26 @@ def _sample_prompts(engine, prompts, max_new_tokens, eos_ids, sampling) -> dict:
               show_default=True,
               help="tiny: ~0.8M parameters; bench: 514M parameters in the Qwen3.5 3:1 pattern (docs/bench_preset.md); "
                    "qwen3.5-397b, qwen3-next-80b: the published full-size shapes (with --sparse).")
-@click.option("--seed", default=0, show_default=True)
+@click.option("--seed", default=0, show_default=True, type=click.IntRange(min=0))
 @click.option("--dtype", type=click.Choice(["f32", "bf16", "fp8"]), default=None,
               help="Weight dtype [default: f32; bf16 with --sparse]. fp8: Qwen's block-scaled FP8 (e4m3, 128x128 "
                    "blocks, a weight_scale_inv per projection; other tensors bf16).")
 @click.option("--sparse", is_flag=True,
               help="Header-only sharded checkpoint: real safetensors headers, data as file holes that read as zeros "
                    "(full-size compile and memory tests without the disk space; not for numerics).")
-@click.option("--force", is_flag=True, help="Overwrite an existing checkpoint in DIRECTORY.")
+@click.option("--force", is_flag=True, help="Write into DIRECTORY even if it is not empty (replacing a checkpoint's "
+                                            "files there).")
 def init_tiny_cmd(directory, family, preset, seed, dtype, sparse, force):
     """Write a random Hugging Face-format checkpoint (config.json + model.safetensors) into DIRECTORY."""
     from qcompile.frontend.tiny import full_config, write_sparse_checkpoint, write_tiny
 
-    if ((directory / "model.safetensors").exists() or (directory / "model.safetensors.index.json").exists()) \
-            and not force:
-        raise UsageError(f"{directory} already holds a checkpoint; pass --force to overwrite it")
+    if directory.exists() and not directory.is_dir():
+        raise UsageError(f"{directory}: exists and is not a directory")
+    if directory.is_dir() and not force and any(directory.iterdir()):
+        held = "a checkpoint" if any((directory / name).exists() for name in
+                                     ("config.json", "model.safetensors", "model.safetensors.index.json")) else "files"
+        raise UsageError(f"{directory} is not empty (it holds {held}); pass --force to write the checkpoint into it "
+                         "anyway, or give a new directory")
     if sparse:
         dtype = dtype or "bf16"
         if dtype == "fp8":
@@ -542,7 +586,7 @@ def init_tiny_cmd(directory, family, preset, seed, dtype, sparse, force):
 @click.option("--max-step-tokens", default=512, show_default=True, help="Largest prefill chunk per step.")
 @click.option("--verify", type=click.Choice(["final", "none"]), default="final", show_default=True,
               help="Check each build against the unoptimized graph before measuring it.")
-@click.option("--seed", default=0, show_default=True,
+@click.option("--seed", default=0, show_default=True, type=click.IntRange(min=0),
               help="Seed of the random prompts, the arrivals, and the sampling (request i draws with seed + i).")
 @click.option("--temperature", default=0.0, show_default=True, type=float,
               help="Sample every request with this temperature (0: greedy), on both engines.")
@@ -567,6 +611,9 @@ def bench_cmd(source, url, workload, scale, input_len, output_len, concurrency, 
 
     if (source is None) == (url is None):
         raise UsageError("give a CHECKPOINT (or artifact) to measure in this process, or --url of a running server")
+    for flag, path in (("--json", json_path), ("--plot", plot_path)):
+        if path is not None:
+            _check_output_file(path, flag, (source,))
     sampling = Sampling(temperature, top_k, top_p, seed % 2**32)  # refused (exit 2) before anything loads
 
     try:
@@ -662,7 +709,7 @@ def serve_cmd(source, host, port, served_model_name, passes_spec, dtype, max_seq
             raise UsageError(f"{', '.join(given)} do not apply to an artifact: its build and cache sizes were fixed "
                              "when it was compiled")
     elif not Path(source).exists():
-        raise UsageError(f"{source} does not exist")
+        raise CheckpointError(f"{source}: no such file or directory")
     mesh = _setup_mesh(mesh_spec)
     sock = bind(host, port)  # before loading: a taken port fails in a second, not after minutes
     try:
@@ -685,7 +732,7 @@ def serve_cmd(source, host, port, served_model_name, passes_spec, dtype, max_seq
             cache = CacheConfig(max_seqs=slots, max_context=max_context or 2048, num_pages=num_pages,
                                 max_step_tokens=max_step_tokens or 256)
             ckpt, _, builds, target = builds_from_checkpoint(
-                source, [passes_spec or "all"], dtype=dtype, mesh=mesh, verify=verify,
+                source, [passes_spec if passes_spec is not None else "all"], dtype=dtype, mesh=mesh, verify=verify,
                 options=(("concurrency", cache.max_seqs), ("max_context", cache.max_context)),
                 emit=lambda line: click.echo(line, err=True),
                 progress=lambda line: click.echo(f"qcompile: {line}", err=True))
@@ -748,6 +795,8 @@ def check_cmd(source, prompts_path, reference, passes_spec, max_new_tokens, min_
     --max-new-tokens decode steps."""
     from qcompile.compiler.check import CheckOptions, run_check
 
+    if json_path is not None:
+        _check_output_file(json_path, "--json", (source, prompts_path, reference))
     _artifact_devices(source)
     run_check(CheckOptions(source=source, prompts=prompts_path, reference=reference, passes=passes_spec,
                            max_new_tokens=max_new_tokens, min_agreement=min_agreement, json_path=json_path),
@@ -793,13 +842,24 @@ def plan_cmd(source, target, chips, concurrency, input_len, output_len, passes_s
         raise UsageError(f"--concurrency levels must be positive, got {concurrency!r}")
     parse_spec(passes_spec)
     if json_path is not None:
-        _check_output_file(json_path, "--json")
+        _check_output_file(json_path, "--json", (source,))
     if not source.exists():
-        raise UsageError(f"{source}: no such file or directory")
+        raise CheckpointError(f"{source}: no such file or directory")
     run_plan(PlanOptions(source=source, target=target, chips=chips, concurrency=levels, input_len=input_len,
                          output_len=output_len, passes=passes_spec, ablate=not no_ablate, json=json_path,
                          mesh=mesh_spec, lower=not no_lower),
              emit=click.echo)
+
+
+def _out_of_memory(err: BaseException) -> bool:
+    """An allocation the machine could not satisfy: Python's MemoryError, or XLA's RESOURCE_EXHAUSTED."""
+    return isinstance(err, MemoryError) or (type(err).__name__ == "JaxRuntimeError"
+                                            and "RESOURCE_EXHAUSTED" in str(err))
+
+
+def _oom_detail(err: BaseException) -> str:
+    text = str(err).split("\n")[0]
+    return text.split("RESOURCE_EXHAUSTED:", 1)[-1].strip()[:160] or type(err).__name__
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -810,8 +870,11 @@ def main(argv: list[str] | None = None) -> None:
     except click.exceptions.Abort:
         click.echo("qcompile: aborted", err=True)
         sys.exit(1)
-    except click.ClickException as err:
-        err.show()
+    except click.ClickException as err:  # one line, as every other error (not click's usage block)
+        hint = ""
+        if isinstance(err, click.UsageError) and err.ctx is not None:
+            hint = f" (see: {err.ctx.command_path} --help)"
+        click.echo(f"qcompile: error: {one_line(err.format_message())}{hint}", err=True)
         sys.exit(err.exit_code)
     except QCompileError as err:
         click.echo(f"qcompile: error: {one_line(err)}", err=True)
@@ -820,6 +883,11 @@ def main(argv: list[str] | None = None) -> None:
         click.echo("qcompile: interrupted", err=True)
         sys.exit(130)
     except Exception as err:  # noqa: BLE001 - the last line of defence: one line, exit 1
+        if _out_of_memory(err):
+            click.echo(f"qcompile: error: out of memory ({one_line(_oom_detail(err))}); ask for less — a shorter "
+                       "--max-context or --max-new-tokens, fewer --max-seqs or a smaller --concurrency — or set "
+                       "--memory-budget to have the sizes checked before anything runs", err=True)
+            sys.exit(2)
         if os.environ.get("QCOMPILE_DEBUG"):
             traceback.print_exc()
         click.echo(f"qcompile: internal error: {one_line(f'{type(err).__name__}: {err}')} "

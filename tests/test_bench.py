@@ -173,7 +173,7 @@ def test_ctrl_c_prints_what_was_measured(tiny, monkeypatch, tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--concurrency", "0"], "positive"),
+    (["--concurrency", "0"], "must be in 1..65536"),
     (["--concurrency", "1,x"], "comma-separated"),
     (["--json", "/nonexistent-dir/x.json"], "does not exist"),
     (["--input-len", "0"], "at least 1"),
@@ -271,3 +271,16 @@ def test_sampled_runs_draw_each_request_with_its_own_seed_on_both_engines(report
     assert set(drawn.tolist()) == {0, 1}
     for greedy in (Sampling(temperature=1.0, top_k=1), Sampling()):
         assert set(measure._transformers_chooser(greedy)(None, logits).tolist()) == {0}
+
+
+def test_bench_on_a_mesh_with_bf16_states(tiny, capsys, monkeypatch, tmp_path):
+    """`bench --mesh 2` with `all` (a tensor-parallel plan, bf16-state): the GDN states are split over two devices,
+    and every new wave zeroes slots of them — by XLA's partitioner, not the native zero-slot kernel, whose custom call
+    returned a replicated array that the compiled step refused (an internal error before)."""
+    monkeypatch.setattr(bench_mod, "measure_ceilings", lambda: FAKE_CEILINGS)
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", str(tiny), "--mesh", "2", "--input-len", "4", "--output-len", "2", "--concurrency", "2",
+              "--num-prompts", "4", "--verify", "none", "--json", str(tmp_path / "m.json")])
+    assert exit_.value.code == 0, capsys.readouterr().err
+    (run,) = json.loads((tmp_path / "m.json").read_text())["runs"]
+    assert run["passes"] == "all" and run["decode_tok_s"] > 0

@@ -78,6 +78,12 @@ def test_an_artifact_against_its_checkpoint(ckpts, prompts, tmp_path, capsys):
     assert code == 2 and "needs --reference CHECKPOINT" in err
     code, _, err = cli(capsys, "check", art, "--reference", ckpts[0], "--prompts", prompts, "--max-new-tokens", "40")
     assert code == 2 and "needs a context of 44; the artifact holds 32" in err
+    # a reference of another architecture is named as such (exit 2), not measured into a 0% agreement (exit 3)
+    from conftest import write_small
+
+    other = write_small(tmp_path / "other", seed=7, layer_types=("linear_attention", "full_attention") * 2)
+    code, _, err = cli(capsys, "check", art, "--reference", other, "--prompts", prompts, "--max-new-tokens", "2")
+    assert code == 2 and "is not the model the artifact was compiled from: its num_layers is 4" in err, err
 
 
 @pytest.mark.parametrize("content, message", [
@@ -88,10 +94,13 @@ def test_an_artifact_against_its_checkpoint(ckpts, prompts, tmp_path, capsys):
     ('{"prompt_ids": []}\n', "non-empty list of integers"),
     ('{"prompt_ids": [1, 99999]}\n', "token id 99999 is outside the vocabulary"),
     ('{"prompt": "hello"}\n', "needs the checkpoint's tokenizer.json"),
+    (b'{"prompt_ids": [1]}\n\xff\xfe\n', "prompts.jsonl:2: not UTF-8"),
 ])
 def test_bad_prompts_are_one_line_exit_2(ckpts, tmp_path, capsys, content, message):
     path = tmp_path / "prompts.jsonl"
-    if content is not None:
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    elif content is not None:
         path.write_text(content)
     code, _, err = cli(capsys, "check", ckpts[0], "--prompts", path)
     assert code == 2 and message in err and "Traceback" not in err

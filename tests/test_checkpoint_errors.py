@@ -558,6 +558,19 @@ def test_config_json_not_utf8(fresh, capsys, tmp_path):
     assert_rejected(capsys, tmp_path, ckpt, str(cfg_path), "not valid JSON")
 
 
+@pytest.mark.parametrize("kind", ["fifo", "device"])
+def test_config_json_not_a_regular_file(fresh, capsys, tmp_path, kind):
+    """A FIFO would block the read forever and /dev/zero would fill the memory: refused before reading (65)."""
+    ckpt = fresh()
+    cfg_path = ckpt / "config.json"
+    cfg_path.unlink()
+    if kind == "fifo":
+        os.mkfifo(cfg_path)
+    else:
+        cfg_path.symlink_to("/dev/zero")
+    assert_rejected(capsys, tmp_path, ckpt, str(cfg_path), "not a regular file")
+
+
 def test_config_json_not_an_object(fresh, capsys, tmp_path):
     ckpt = fresh()
     cfg_path = ckpt / "config.json"
@@ -629,6 +642,13 @@ def test_config_layer_types_wrong_length(fresh, capsys, tmp_path):
         ("qwen3_5_moe", {"rms_norm_eps": "abc"}, ["'rms_norm_eps' must be a number", "'abc'"]),
         ("qwen3_next", {"mlp_only_layers": 5}, ["'mlp_only_layers'", "got 5"]),
         ("qwen3_next", {"mlp_only_layers": [[0]]}, ["'mlp_only_layers'"]),
+        # values of the right type that no model can have: refused at load, not NaN logits or an internal error
+        ("qwen3_5_moe", {"rms_norm_eps": -1}, ["rms_norm_eps must be a positive number, got -1"]),
+        ("qwen3_next", {"rms_norm_eps": 0}, ["rms_norm_eps must be a positive number"]),
+        ("qwen3_5_moe", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e7,
+                                             "partial_rotary_factor": 5}}, ["partial_rotary_factor must be in (0, 1]"]),
+        ("qwen3_next", {"hidden_act": "gelu"}, ["hidden_act 'gelu' is not supported"]),
+        ("qwen3_5_moe", {"eos_token_id": 99999}, ["eos_token_id 99999 is outside the vocabulary"]),
     ],
 )
 def test_config_value_of_the_wrong_type(fresh, capsys, tmp_path, family, changes, needles):
@@ -837,3 +857,17 @@ def test_open_reads_headers_only(pristine, tmp_path):
     assert elapsed < 2.0, f"Checkpoint.open took {elapsed:.2f} s"
     assert read < 10_000_000, f"Checkpoint.open read {read} bytes of a {data_bytes}-byte checkpoint"
     assert path.stat().st_blocks * 512 < 64 << 20  # and wrote nothing into it
+
+
+def test_all_nan_weights_are_bad_input_not_a_crash(fresh, capsys, tmp_path):
+    """A checkpoint whose floats are all NaN: the unoptimized model's own outputs are NaN, so there is nothing to
+    check a pass against — exit 65 saying so (it was an internal error, a max over no finite values)."""
+    ckpt = fresh()
+    path = weights(ckpt)
+    tensors = {name: np.full_like(t, np.nan) if np.issubdtype(t.dtype, np.floating) else t
+               for name, t in read_tensors(path).items()}
+    write_safetensors(path, tensors)
+    before = snapshot(ckpt)
+    code, _, err = run_cli(capsys, "--passes", "swiglu-fusion", ckpt, "-o", tmp_path / "out")
+    assert code == BAD_INPUT and len(err.splitlines()) == 1 and "all NaN/inf" in err, err
+    assert snapshot(ckpt) == before and not (tmp_path / "out").exists()

@@ -276,3 +276,105 @@ def test_lowering_error_reaches_the_command_line_as_exit_4(tiny, capsys, monkeyp
     monkeypatch.setattr("qcompile.runtime.model.load_model", raise_it)
     code, _, text = cli(capsys, "run", tiny, "--prompt-ids", "1,2")
     assert code == 4 and one_line(text) and "--verify each" in text
+
+
+# -- outputs that would destroy inputs, outputs that cannot be written, sizes no machine has -----------------------
+
+
+def _digests(root):
+    import hashlib
+
+    return {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_an_output_onto_an_input_is_refused_and_the_input_kept(tiny, tmp_path, capsys, monkeypatch):
+    """--report onto the checkpoint's config.json, --save-logits onto its weights, check's --json onto the prompts
+    file, plan's --json onto the config, -o around the checkpoint: each replaced what the user gave (exit 0 before)."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(tiny, ckpt)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt_ids": [1, 2]}\n')
+    before = {**_digests(ckpt), prompts: prompts.read_text()}
+    from qcompile.compiler import driver
+
+    monkeypatch.setattr(driver, "compile_checkpoint", boom)
+    for argv in (["compile", ckpt, "--report", ckpt / "config.json"],
+                 ["compile", ckpt, "--dump-dir", ckpt],
+                 ["run", ckpt, "--prompt-ids", "1,2", "--save-logits", ckpt / "model.safetensors"],
+                 ["check", ckpt, "--prompts", prompts, "--json", prompts],
+                 ["plan", ckpt, "--no-lower", "--no-ablate", "--json", ckpt / "config.json"]):
+        code, _, err = cli(capsys, *argv)
+        assert code == 2 and one_line(err) and "would overwrite the input" in err, (argv, err)
+    (tmp_path / "art").mkdir()
+    (tmp_path / "art" / "manifest.json").write_text("{}")  # an artifact (written with --weights link)
+    inner = tmp_path / "art" / "checkpoint"
+    shutil.copytree(tiny, inner)
+    code, _, err = cli(capsys, "compile", inner, "-o", tmp_path / "art")
+    assert code == 2 and one_line(err) and "lies inside it" in err, err
+    assert {**_digests(ckpt), prompts: prompts.read_text()} == before and (inner / "model.safetensors").is_file()
+
+
+def test_init_tiny_refuses_a_directory_that_is_not_empty(tmp_path, capsys):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "tokenizer.json").write_text('{"mine": 1}')
+    code, _, err = cli(capsys, "init-tiny", mine)
+    assert code == 2 and one_line(err) and "is not empty" in err and "--force" in err
+    assert (mine / "tokenizer.json").read_text() == '{"mine": 1}' and sorted(mine.iterdir()) == [mine / "tokenizer.json"]
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs /proc (a directory nothing can be created in)")
+def test_outputs_that_cannot_be_created_are_refused_before_any_work(tiny, tmp_path, capsys, monkeypatch):
+    """Permission bits say yes for root or for /proc; the file is tried (then removed) before the work starts."""
+    from qcompile.compiler import bench, check, driver
+
+    for module, name in ((driver, "compile_checkpoint"), (check, "run_check"), (bench, "run_bench")):
+        monkeypatch.setattr(module, name, boom)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt_ids": [1, 2]}\n')
+    for argv in (["compile", tiny, "--report", "/proc/qcompile-report.json"],
+                 ["compile", tiny, "--dump-dir", "/proc/qcompile-dumps"],
+                 ["check", tiny, "--prompts", prompts, "--json", "/proc/qcompile-check.json"],
+                 ["bench", tiny, "--json", "/proc/qcompile-bench.json"],
+                 ["check", tiny, "--prompts", prompts, "--json", tmp_path]):
+        code, _, err = cli(capsys, *argv)
+        assert code == 2 and one_line(err), (argv, err)
+    assert not list(tmp_path.glob(".qcompile-probe-*"))
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["bench", "{ckpt}", "--concurrency", "100000000"], "--concurrency values must be in 1..65536"),
+    (["bench", "{ckpt}", "--seed", "-1"], "--seed"),
+    (["init-tiny", "{tmp}/new", "--seed", "-1"], "--seed"),
+    (["compile", "{ckpt}", "--max-seqs", "1000000000"], "--max-seqs 1000000000 is more than qcompile supports"),
+    (["compile", "{ckpt}", "--max-context", "99999999999"], "--max-context"),
+    (["compile", "{ckpt}", "--page-size", "2147483648"], "--page-size must be a power of two from 1 to 65536"),
+    (["compile", "{ckpt}", "--max-seqs", "1.5"], "--max-seqs"),  # click's own errors: one line too
+    (["run", "{ckpt}", "--no-such-flag"], "No such option"),
+    (["frobnicate"], "'frobnicate' is neither a command nor a checkpoint path"),
+    (["bench", "{ckpt}", "--passes", ""], "--passes SPEC is empty"),
+])
+def test_absurd_values_and_misspellings_are_one_line_usage_errors(argv, needle, tiny, tmp_path, capsys,
+                                                                  monkeypatch):
+    from qcompile.compiler import bench, driver
+
+    monkeypatch.setattr(driver, "compile_checkpoint", boom)
+    monkeypatch.setattr(bench, "measure_ceilings", boom)
+    code, _, err = cli(capsys, *[str(a).replace("{ckpt}", str(tiny)).replace("{tmp}", str(tmp_path)) for a in argv])
+    assert code == 2 and one_line(err) and needle in err, err
+
+
+def test_running_out_of_memory_is_a_usage_line(tiny, capsys, monkeypatch):
+    """An allocation the machine cannot make (sizes asked for without --memory-budget) is one line, exit 2, saying
+    which sizes to lower — not an internal error."""
+    from qcompile.runtime import model
+
+    class JaxRuntimeError(RuntimeError):  # what XLA raises, by name
+        pass
+
+    def exhausted(*args, **kwargs):
+        raise JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 800000000000 bytes.")
+
+    monkeypatch.setattr(model, "load_model", exhausted)
+    code, _, err = cli(capsys, "run", tiny, "--prompt-ids", "1,2")
+    assert code == 2 and one_line(err) and "out of memory" in err and "--max-context" in err, err

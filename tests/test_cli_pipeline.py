@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -95,6 +96,12 @@ def test_numerics_failure_exits_3_and_reproduces(toy_registry, ckpt, capsys, tmp
     assert "qcompile reproduce " + str(repro) in err
     code, out, err = cli(capsys, "reproduce", repro)
     assert code == 3 and "loosen-eps" in out and "relative error" in out
+    info = json.loads((repro / "repro.json").read_text())
+    assert Path(info["checkpoint"]).is_absolute()  # `qcompile reproduce` works from any directory
+    for broken in ("[]", json.dumps({k: v for k, v in info.items() if k != "seed"}), json.dumps({**info, "seed": "x"})):
+        (repro / "repro.json").write_text(broken)
+        code, _, err = cli(capsys, "reproduce", repro)
+        assert code == 65 and "not a qcompile reproducer" in err and len(err.splitlines()) == 1, err
 
 
 def test_reproduce_reports_when_a_failure_is_gone(toy_registry, ckpt, capsys, tmp_path, monkeypatch):

@@ -175,10 +175,10 @@ def test_build_specs_and_bad_input(tmp_path, capsys):
             main(["plan", str(config), "--no-ablate", *argv])
         assert done.value.code == 2, argv
         assert message in capsys.readouterr().err, argv
-    for source, message in ((tmp_path / "nothing", "no such file"),):
+    for source, message in ((tmp_path / "nothing", "no such file"),):  # bad input, as for every command: 65
         with pytest.raises(SystemExit) as done:
             main(["plan", str(source)])
-        assert done.value.code == 2 and message in capsys.readouterr().err
+        assert done.value.code == 65 and message in capsys.readouterr().err
     with pytest.raises(SystemExit) as done:
         main(["plan", str(config), "--no-ablate", "--no-lower", "--concurrency", "8", "--input-len", "100",
               "--output-len", "20"])

@@ -324,7 +324,7 @@ def test_unsupported_fields_pass_at_their_no_op_values_only():
 
 def test_the_serve_command_starts_answers_and_stops_on_ctrl_c(model, tmp_path):
     """The real command: port 0, the address printed on stderr; SIGINT stops it with exit 0. A taken port and a
-    missing checkpoint are one-line usage errors (exit 2)."""
+    missing checkpoint are one-line errors (exit 2 and 65)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
     command = [sys.executable, "-m", "qcompile.cli", "serve", str(model.checkpoint.path), "--port", "0",
                "--passes", "none", "--verify", "none", "--no-warmup", "--max-seqs", "2", "--max-context", "32"]
@@ -354,7 +354,7 @@ def test_the_serve_command_starts_answers_and_stops_on_ctrl_c(model, tmp_path):
             proc.wait()
     missing = subprocess.run([*command[:4], str(tmp_path / "nothing")], capture_output=True, text=True, env=env,
                              timeout=120)
-    assert missing.returncode == 2 and "does not exist" in missing.stderr
+    assert missing.returncode == 65 and "no such file or directory" in missing.stderr  # bad input, as everywhere
 
 
 def test_bench_url_measures_the_server_with_the_in_process_metrics(server):

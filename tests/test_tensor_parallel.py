@@ -287,3 +287,4 @@ def test_bad_layouts_are_usage_errors(tmp_path, capsys):
             main([str(path), *argv, "--verify", "none"])
         assert done.value.code == 2
         assert message in capsys.readouterr().err
+

@@ -78,6 +78,11 @@ def ablation_specs(names: list[str]) -> list[str]:
     return specs
 
 
+# Upper bounds checked before anything is built (a mistyped 100000000 would otherwise make that many prompts first).
+MAX_CONCURRENCY = 65536
+MAX_PROMPTS = 1_000_000
+
+
 def _check_outputs(opts: BenchOptions) -> None:
     for flag, path in (("--json", opts.json_path), ("--plot", opts.plot_path)):
         if path is not None and not Path(path).parent.resolve().is_dir():
@@ -88,10 +93,10 @@ def _check_outputs(opts: BenchOptions) -> None:
         except ImportError:
             raise UsageError("--plot needs matplotlib; install the bench extra: pip install 'qcompile[bench]'") from None
     for c in opts.concurrency:
-        if c < 1:
-            raise UsageError(f"--concurrency values must be positive, got {c}")
-    if opts.num_prompts is not None and opts.num_prompts < 1:
-        raise UsageError(f"--num-prompts must be positive, got {opts.num_prompts}")
+        if not 1 <= c <= MAX_CONCURRENCY:
+            raise UsageError(f"--concurrency values must be in 1..{MAX_CONCURRENCY}, got {c}")
+    if opts.num_prompts is not None and not 1 <= opts.num_prompts <= MAX_PROMPTS:
+        raise UsageError(f"--num-prompts must be in 1..{MAX_PROMPTS}, got {opts.num_prompts}")
     unknown = [c for c in opts.compare if c not in COMPARE_CHOICES]
     if unknown:
         raise UsageError(f"--compare {unknown[0]!r} is not supported; choose {', '.join(COMPARE_CHOICES)}")
@@ -155,7 +160,7 @@ def run_bench(opts: BenchOptions, emit=print) -> dict:
                              f"concurrency {max(opts.concurrency)} with {input_len}+{output_len} tokens does not fit — "
                              "recompile with larger --max-seqs / --max-context")
     else:
-        specs = ablation_specs(list(PASSES)) if opts.ablate else [opts.passes or "all"]
+        specs = ablation_specs(list(PASSES)) if opts.ablate else [opts.passes if opts.passes is not None else "all"]
         ckpt, params, builds, target = builds_from_checkpoint(
             opts.source, specs, dtype=opts.dtype, mesh=opts.mesh, verify=opts.verify, seed=opts.seed, emit=emit,
             options=(("concurrency", max(opts.concurrency)), ("max_context", input_len + output_len)))

@@ -41,6 +41,10 @@ def builds_from_checkpoint(source: Path, specs: list[str], dtype: str | None = N
     from qcompile.passes.registry import parse_spec
 
     ckpt = Checkpoint.open(source)
+    if mesh is not None:
+        from qcompile.compiler.driver import check_mesh_fits
+
+        check_mesh_fits(ckpt, mesh)
     graph = build_graph(ckpt, dtype)
     if mesh is not None:
         graph.meta["mesh"] = mesh

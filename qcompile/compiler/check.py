@@ -42,13 +42,32 @@ class CheckOptions:
     json_path: Path | None = None
 
 
+# The config fields that make two checkpoints the same architecture: an artifact's reference must match them all.
+ARCHITECTURE_KEYS = ("family", "hidden_size", "num_layers", "layer_types", "num_heads", "num_kv_heads", "head_dim",
+                     "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+                     "conv_kernel", "num_experts", "top_k", "moe_intermediate_size",
+                     "shared_expert_intermediate_size", "intermediate_size", "moe_layers")
+
+
+def _plain(value):
+    """JSON's view of a config value (tuples as lists), for comparing a manifest's config with a loaded one."""
+    return json.loads(json.dumps(value, default=str))
+
+
 def read_prompts(path: Path, checkpoint_dir: Path | None, vocab_size: int) -> list[list[int]]:
     """Prompt token ids from a JSON-lines file; every problem is a UsageError naming the line."""
     if not path.is_file():
         raise UsageError(f"--prompts {path}: file not found")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        line = path.read_bytes()[:err.start].count(b"\n") + 1
+        raise UsageError(f"--prompts {path}:{line}: not UTF-8 text (give JSON lines)") from None
+    except OSError as err:
+        raise UsageError(f"--prompts {path}: cannot read it ({err.strerror or err})") from None
     tokenizer = None
     prompts = []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
+    for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         try:
@@ -161,8 +180,10 @@ def run_check(opts: CheckOptions, emit=print) -> dict:
                              f"ones needs a context of {context}; the artifact holds {cache.max_context} "
                              "(lower --max-new-tokens, or compile with a larger --max-context)")
         make_candidate = lambda reference: artifact.engine()  # noqa: E731
+        artifact_config = artifact.config_json
     else:
         ref_dir = Path(opts.reference or opts.source)
+        artifact_config = None  # a checkpoint against another: same-shape models are compared (a different seed fails 3)
         ckpt = Checkpoint.open(opts.source)
         dtype, page_size, vocab = None, 16, ckpt.config.vocab_size
         prompts = read_prompts(Path(opts.prompts), Path(opts.source), vocab)
@@ -182,6 +203,15 @@ def run_check(opts: CheckOptions, emit=print) -> dict:
     if reference.checkpoint.config.vocab_size != vocab:
         raise UsageError(f"--reference {ref_dir} has a vocabulary of {reference.checkpoint.config.vocab_size}, the "
                          f"candidate {vocab}: not the same model")
+    if artifact_config is not None:
+        ref_config = attrs.asdict(reference.checkpoint.config)
+        differ = [key for key in ARCHITECTURE_KEYS if key in artifact_config
+                  and _plain(artifact_config[key]) != _plain(ref_config.get(key))]
+        if differ:
+            key = differ[0]
+            raise UsageError(f"--reference {ref_dir} is not the model the artifact was compiled from: its {key} is "
+                             f"{ref_config.get(key)!r}, the artifact's {artifact_config[key]!r}"
+                             + (f" (and {len(differ) - 1} more)" if len(differ) > 1 else ""))
     ref_engine = reference.engine(CacheConfig(max_seqs=cache.max_seqs, max_context=cache.max_context,
                                               max_step_tokens=cache.max_step_tokens))
     cand_engine = make_candidate(reference)

@@ -108,7 +108,7 @@ def compile_checkpoint(opts: CompileOptions, emit: Callable[[str], None] = print
 
         check_free_space(opts.output, weight_bytes(graph) if opts.weights == "copy" else 0, opts.weights)
     if opts.mesh is not None:
-        _check_mesh_fits(ckpt, opts)
+        check_mesh_fits(ckpt, opts.mesh)
         graph.meta["mesh"] = opts.mesh
     ctx = PassContext(target=opts.target, num_devices=opts.mesh.size if opts.mesh else 1,
                       options=(("concurrency", opts.concurrency or opts.cache.max_seqs),
@@ -139,7 +139,8 @@ def compile_checkpoint(opts: CompileOptions, emit: Callable[[str], None] = print
                                      target=rules if lowering_checked else "reference")
     settings = {"dtype": graph.meta["dtype"], "page_size": opts.import_page_size, "verify_layers": layers,
                 "verify_experts": experts, "meta": {k: v for k, v in check_graph.meta.items() if k != "mesh"}}
-    reproducer = Reproducer(opts.repro_dir or Path("qcompile-repro"), str(opts.checkpoint), settings)
+    # the checkpoint absolute: `qcompile reproduce DIR` is run from anywhere
+    reproducer = Reproducer(opts.repro_dir or Path("qcompile-repro"), str(Path(opts.checkpoint).absolute()), settings)
     emit(f"passes ({spec_of(selected)}):" if selected else "passes: none selected"
          + ("" if parse_spec("all") else " (no passes are registered yet)"))
     bar = tqdm(total=len(selected), desc="passes", unit="pass", file=sys.stderr, leave=False,
@@ -186,13 +187,13 @@ def compile_checkpoint(opts: CompileOptions, emit: Callable[[str], None] = print
     return report
 
 
-def _check_mesh_fits(ckpt: Checkpoint, opts: CompileOptions) -> None:
+def check_mesh_fits(ckpt: Checkpoint, mesh) -> None:
     """A mesh the model cannot be laid out on is a usage error (exit 2) before any work: the routed experts must split
-    evenly over the devices."""
-    devices, cfg = opts.mesh.size, ckpt.config
+    evenly over the devices (compile, run, bench and serve alike)."""
+    devices, cfg = mesh.size, ckpt.config
     if any(cfg.moe_layers) and cfg.num_experts % devices:
         fits = [d for d in range(2, min(cfg.num_experts, 64) + 1) if cfg.num_experts % d == 0]
-        raise UsageError(f"--mesh {'x'.join(map(str, opts.mesh.shape))}: the {cfg.num_experts} routed experts do not "
+        raise UsageError(f"--mesh {'x'.join(map(str, mesh.shape))}: the {cfg.num_experts} routed experts do not "
                          f"split over {devices} devices; use a device count that divides them "
                          f"({', '.join(map(str, fits[:8])) or 'none above 1'})")
 

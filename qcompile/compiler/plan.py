@@ -38,7 +38,7 @@ import attrs
 
 from qcompile.compiler.hlo import SENT_PER_RESULT_BYTE
 from qcompile.compiler.lowered import lowered_step
-from qcompile.errors import UsageError
+from qcompile.errors import CheckpointError, UsageError
 from qcompile.frontend.checkpoint import Checkpoint, canonical_fp8, canonical_params, resolve_paths
 from qcompile.frontend.config import parse_config
 from qcompile.frontend.tiny import hub_tensors
@@ -137,9 +137,9 @@ def abstract_graph(source: Path) -> tuple[Graph, dict, str]:
     try:
         raw = json.loads(Path(config_path).read_text())
     except FileNotFoundError:
-        raise UsageError(f"{config_path}: no such file") from None
+        raise CheckpointError(f"{config_path}: no such file") from None
     except (OSError, ValueError) as err:
-        raise UsageError(f"{config_path}: cannot read it as JSON ({err})") from None
+        raise CheckpointError(f"{config_path}: cannot read it as JSON ({err})") from None
     if has_weights:
         ckpt = Checkpoint.open(source)
         cfg, shapes, where = ckpt.config, {n: ref.shape for n, ref in ckpt.params.items()}, "checkpoint headers"

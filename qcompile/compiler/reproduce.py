@@ -44,6 +44,14 @@ def reproduce(directory: Path) -> tuple[bool, str]:
         pipeline = (directory / "pipeline.txt").read_text().strip()
     except (OSError, ValueError) as err:
         raise CheckpointError(f"{directory}: not a qcompile reproducer ({err})") from None
+    if not isinstance(info, dict) or not isinstance(info.get("meta") or {}, dict):
+        raise CheckpointError(f"{directory}/repro.json: not a qcompile reproducer (expected a JSON object)")
+    for key, kind in (("seed", int), ("bound", float)):
+        try:
+            kind(info[key])
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(f"{directory}/repro.json: not a qcompile reproducer ('{key}' missing or not a "
+                                  "number)") from None
     meta = info.get("meta") or {}
     graph = parse_graph(input_text, str(directory / "input.qir"), meta=meta)
     reference = parse_graph(reference_text, str(directory / "reference.qir"), meta=meta)

@@ -10,6 +10,8 @@ only `ModelConfig`, so these spellings are resolved here, once, with the default
 from __future__ import annotations
 
 import json
+import math
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -180,6 +182,9 @@ def parse_config(raw: dict, where: str = "config.json") -> ModelConfig:
         moe_layers = (True,) * num_layers
         norm_topk = True
     theta, prf = _rope(text, where)
+    act = text.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):  # every MLP and the GDN gate of both families are SiLU (spec/model.md)
+        raise CheckpointError(f"{where}: hidden_act {act!r} is not supported; Qwen3.5-MoE and Qwen3-Next use 'silu'")
     cfg = ModelConfig(
         family=family,
         model_type=model_type,
@@ -245,6 +250,15 @@ def _check_consistency(cfg: ModelConfig, where: str) -> None:
         )
     if any(cfg.moe_layers) and not (0 < cfg.top_k <= cfg.num_experts):
         problems.append(f"num_experts_per_tok {cfg.top_k} must be in 1..num_experts ({cfg.num_experts})")
+    if not (math.isfinite(cfg.rms_norm_eps) and cfg.rms_norm_eps > 0):
+        problems.append(f"rms_norm_eps must be a positive number, got {cfg.rms_norm_eps}")
+    if not 0 < cfg.partial_rotary_factor <= 1:
+        problems.append(f"partial_rotary_factor must be in (0, 1], got {cfg.partial_rotary_factor}")
+    if not math.isfinite(cfg.rope_theta) or cfg.rope_theta <= 0:
+        problems.append(f"rope_theta must be a positive number, got {cfg.rope_theta}")
+    outside = [i for i in cfg.eos_token_ids if not 0 <= i < cfg.vocab_size]
+    if outside:
+        problems.append(f"eos_token_id {outside[0]} is outside the vocabulary (0..{cfg.vocab_size - 1})")
     if cfg.rotary_dim % 2:
         problems.append(f"rotary dims head_dim x partial_rotary_factor = {cfg.rotary_dim} must be even")
     if not all(cfg.moe_layers) and cfg.intermediate_size == 0:
@@ -267,10 +281,18 @@ def eos_ids(value, where) -> tuple[int, ...] | None:
     return tuple(values)
 
 
+MAX_CONFIG_BYTES = 16 << 20  # a Hugging Face config.json is a few KB
+
+
 def load_config(path: str | Path) -> ModelConfig:
     """Read and resolve a config.json file."""
     path = Path(path)
     try:
+        info = path.stat()
+        if not stat.S_ISREG(info.st_mode):  # a FIFO would block, /dev/zero would never end
+            raise CheckpointError(f"{path}: cannot read config.json: not a regular file")
+        if info.st_size > MAX_CONFIG_BYTES:
+            raise CheckpointError(f"{path}: {info.st_size} bytes is not a config.json (at most {MAX_CONFIG_BYTES})")
         raw = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise CheckpointError(f"{path}: config.json not found; a checkpoint needs its config.json beside the weights")

@@ -39,12 +39,17 @@ BATCH_INPUTS = ("token_ids", "positions", "query_start", "page_table", "state_sl
 LOGITS, NEXT_TOKENS = "logits", "next_tokens"
 
 
-def _positive(name: str, flag: str):
+INDEX_LIMIT = 2**31 - 1  # token positions, page ids and KV slots are int32 in the step ABI
+
+
+def _positive(name: str, flag: str, most: int = 2**24):
     def check(instance, attribute, value):
         if value is None and attribute.name == "num_pages":
             return
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise UsageError(f"{flag} must be a positive integer, got {value!r}")
+        if value > most:
+            raise UsageError(f"{flag} {value} is more than qcompile supports ({most})")
 
     return check
 
@@ -53,9 +58,9 @@ def _positive(name: str, flag: str):
 class CacheConfig:
     """Static sizes of the caches and of the largest step; every size is validated (a usage error, exit 2)."""
 
-    max_seqs: int = attrs.field(default=4, validator=_positive("max_seqs", "--max-seqs"))
+    max_seqs: int = attrs.field(default=4, validator=_positive("max_seqs", "--max-seqs", 2**20))
     max_context: int = attrs.field(default=512, validator=_positive("max_context", "--max-context"))
-    num_pages: int | None = attrs.field(default=None, validator=_positive("num_pages", "--num-pages"))
+    num_pages: int | None = attrs.field(default=None, validator=_positive("num_pages", "--num-pages", 2**28))
     max_step_tokens: int = attrs.field(default=256, validator=_positive("max_step_tokens", "--max-step-tokens"))
 
     def pages_per_seq(self, page_size: int) -> int:
@@ -65,9 +70,13 @@ class CacheConfig:
         return self.num_pages or self.max_seqs * self.pages_per_seq(page_size)
 
     def sizes(self, page_size: int) -> dict[str, int]:
-        """The bound symbolic dims of the caches and batch metadata."""
-        return {"B": self.max_seqs, "M": self.pages_per_seq(page_size), "P": self.pool_pages(page_size),
-                "S": self.max_seqs}
+        """The bound symbolic dims of the caches and batch metadata (a pool whose token slots int32 cannot index is
+        a usage error here, before anything is built)."""
+        pool = self.pool_pages(page_size)
+        if pool * page_size > INDEX_LIMIT:
+            raise UsageError(f"a KV pool of {pool} pages of {page_size} tokens has more token slots than int32 indexes "
+                             f"({INDEX_LIMIT}); lower --max-seqs, --max-context, --num-pages or --page-size")
+        return {"B": self.max_seqs, "M": self.pages_per_seq(page_size), "P": pool, "S": self.max_seqs}
 
     def to_json(self, page_size: int) -> dict:
         return {"max_seqs": self.max_seqs, "max_context": self.max_context, "num_pages": self.num_pages,

@@ -45,7 +45,7 @@ import attrs
 import jax
 import numpy as np
 
-from qcompile.errors import QCompileError
+from qcompile.errors import CheckpointError, QCompileError
 from qcompile.ir.abi import (CHANNEL_GROUPS, LOGITS, NEXT_TOKENS, CacheConfig, WorkItem, data_parallel_ranks, empty_caches,
                              from_cache_layout, graph_cache_types, pack_ranked, to_cache_layout,
                              token_bucket)
@@ -361,7 +361,12 @@ def compare(reference: dict, candidate: dict, bound: float, jumps: bool = False,
             reasons.append(f"output {name} has {int(bad.sum())} NaN/inf values where the reference has none")
             errors[name] = float("inf")
             continue
-        scale = float(np.abs(ref64[np.isfinite(ref64)]).max()) if ref64.size else 0.0
+        finite = ref64[np.isfinite(ref64)]
+        if ref64.size and not finite.size:  # the unoptimized model itself: nothing here to compare against
+            raise CheckpointError(f"the unoptimized model's output {name} is all NaN/inf on the check inputs: the "
+                                  "checkpoint's weights or config give non-finite values (check them, e.g. for NaN "
+                                  "tensors); no pass can be checked against it")
+        scale = float(np.abs(finite).max()) if finite.size else 0.0
         if scale == 0.0 and partial:  # this process's blocks hold no check sequence (all padding): compare exactly
             scale = 1.0
         elif scale == 0.0:

@@ -134,7 +134,7 @@ def _zero_slot(arr, slot, native_ok: bool = True):
 @functools.partial(jax.jit, donate_argnums=(0,), static_argnums=(2,))
 def _reset_slot(caches, slot, native_ok: bool = True):
     """Zero one sequence slot of every GDN state cache (a new sequence starts from empty state). On a mesh, XLA's
-    partitioner updates the one device that holds the slot (the native kernel would see a whole array)."""
+    partitioner updates the devices that hold the slot (the native kernel would see a whole array)."""
     return {name: (_zero_slot(arr, slot, native_ok) if name.endswith("_state") else arr)
             for name, arr in caches.items()}
 
@@ -297,7 +297,11 @@ class Engine:
         if not self.free_slots_by_rank[rank]:
             raise UsageError(f"all {self.cache_cfg.max_seqs} sequence slots are in use; raise --max-seqs")
         seq = Sequence(self.free_slots_by_rank[rank].pop(0))
-        self.caches = _reset_slot(self.caches, jnp.int32(seq.slot), self.ranks == 1)
+        # the native kernel sees whole arrays: only for states on one device (a tensor-parallel state is split
+        # over its heads even with one data-parallel rank, and a custom call's result would come back replicated)
+        one_device = all(len(arr.sharding.device_set) == 1 for name, arr in self.caches.items()
+                         if name.endswith("_state") and hasattr(arr, "sharding"))
+        self.caches = _reset_slot(self.caches, jnp.int32(seq.slot), one_device)
         return seq
 
     def release(self, seq: Sequence) -> None:
