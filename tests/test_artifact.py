@@ -170,6 +170,13 @@ def test_format_version_refused(artifact_copy):
     assert "manifest.json" in str(err) and "999" in str(err) and "format_version 2" in str(err)
 
 
+def test_manifest_config_without_a_vocabulary_refused(artifact_copy):
+    manifest = json.loads((artifact_copy / MANIFEST).read_text())
+    edit_manifest(artifact_copy, config={**manifest["config"], "vocab_size": -1})
+    err = refusal(artifact_copy)
+    assert "manifest.json" in str(err) and "malformed config (vocab_size -1)" in str(err)
+
+
 def test_manifest_not_json_refused(artifact_copy):
     (artifact_copy / MANIFEST).write_text("{not json")
     err = refusal(artifact_copy)

@@ -378,3 +378,10 @@ def test_running_out_of_memory_is_a_usage_line(tiny, capsys, monkeypatch):
     monkeypatch.setattr(model, "load_model", exhausted)
     code, _, err = cli(capsys, "run", tiny, "--prompt-ids", "1,2")
     assert code == 2 and one_line(err) and "out of memory" in err and "--max-context" in err, err
+
+
+def test_an_artifact_without_its_manifest_is_named_so(tmp_path, capsys):
+    (tmp_path / "art" / "exec").mkdir(parents=True)
+    (tmp_path / "art" / "graph.qir").write_text("")
+    code, _, err = cli(capsys, "run", tmp_path / "art", "--prompt-ids", "1")
+    assert code == 65 and one_line(err) and "artifact without its manifest.json" in err, err

@@ -295,6 +295,9 @@ def load_config(path: str | Path) -> ModelConfig:
             raise CheckpointError(f"{path}: {info.st_size} bytes is not a config.json (at most {MAX_CONFIG_BYTES})")
         raw = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
+        if (path.parent / "graph.qir").is_file() or (path.parent / "exec").is_dir():
+            raise CheckpointError(f"{path.parent}: looks like a qcompile artifact without its manifest.json (an "
+                                  "incomplete copy?); compile it again") from None
         raise CheckpointError(f"{path}: config.json not found; a checkpoint needs its config.json beside the weights")
     except OSError as err:  # a directory, no permission, an I/O error
         raise CheckpointError(one_line(f"{path}: cannot read config.json ({err.strerror or err})"))

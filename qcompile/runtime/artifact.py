@@ -525,6 +525,12 @@ def load_artifact(path, verify_hashes: bool = True, progress: bool | None = Fals
             raise _refuse(manifest_path, f"{rel} is not listed under 'files' (no hash to check it against)")
     if not keys:
         raise _refuse(manifest_path, "lists no exported buckets")
+    config = manifest.get("config")
+    if not isinstance(config, dict):
+        raise _refuse(manifest_path, "malformed config (not an object)")
+    vocab = config.get("vocab_size", 1)  # (an artifact written from Python may carry no model config)
+    if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 1:
+        raise _refuse(manifest_path, f"malformed config (vocab_size {vocab!r})")
     _check_files(root, files, verify_hashes)
 
     _ensure_native_kernels(manifest, manifest_path)
