@@ -871,3 +871,14 @@ def test_all_nan_weights_are_bad_input_not_a_crash(fresh, capsys, tmp_path):
     code, _, err = run_cli(capsys, "--passes", "swiglu-fusion", ckpt, "-o", tmp_path / "out")
     assert code == BAD_INPUT and len(err.splitlines()) == 1 and "all NaN/inf" in err, err
     assert snapshot(ckpt) == before and not (tmp_path / "out").exists()
+
+
+def test_a_missing_embedding_is_named_as_the_checkpoint_names_it(fresh, capsys, tmp_path):
+    """A Qwen3.5 wrapper checkpoint without its embedding: the error names model.language_model.embed_tokens.weight
+    (the flat name before: the naming was read off the embedding itself)."""
+    ckpt = fresh("qwen3_5_moe")
+    path = weights(ckpt)
+    tensors = read_tensors(path)
+    del tensors["model.language_model.embed_tokens.weight"]
+    write_safetensors(path, tensors)
+    assert_rejected(capsys, tmp_path, ckpt, "'model.language_model.embed_tokens.weight'", "missing")

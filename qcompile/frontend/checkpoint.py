@@ -182,7 +182,10 @@ class Checkpoint:
         config = load_config(config_path)
         store = TensorStore.open(weights)
         names = set(store.names())
-        prefix = "model.language_model." if "model.language_model.embed_tokens.weight" in names else "model."
+        # the wrapper's naming when any tensor uses it (so a missing tensor is named as that checkpoint names it)
+        wrapped = "model.language_model.embed_tokens.weight" in names or any(
+            n.startswith("model.language_model.layers.") for n in names)
+        prefix = "model.language_model." if wrapped else "model."
         params = canonical_params(config, names, prefix)
         used = {s for ref in params.values() for s in ref.sources}
         _validate(store, params, config)
