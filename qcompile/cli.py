@@ -755,7 +755,8 @@ def serve_cmd(source, host, port, served_model_name, passes_spec, dtype, max_seq
         if not no_warmup:
             click.echo("qcompile: compiling the step's shape buckets before serving (--no-warmup skips this)",
                        err=True)
-            engine.compile_all_buckets()
+            # sampled requests too (an artifact's sampled steps use its all-token buckets, exported ready)
+            engine.compile_all_buckets(sampling=not artifact or art.program.samples)
         name = served_model_name or Path(source).resolve().name
         info = ModelInfo(name=name, vocab_size=vocab, max_context=engine.cache_cfg.max_context, eos_ids=eos_ids)
         metrics = Metrics()

@@ -285,3 +285,21 @@ def test_second_run_of_an_artifact_loads_compiled_executables(built, tmp_path):
     assert cold_tokens == warm_tokens
     entries = list((tmp_path / "cache" / "xla").iterdir())
     assert len(entries) == 1 and any(entries[0].iterdir())  # one directory, keyed by this artifact
+
+
+def test_an_artifact_samples_at_every_step_shape(built):
+    """The R = B buckets of an artifact return greedy ids only; a sampled step whose bucket has more tokens than slots
+    (a prefill chunk beside a decode) used to fail — the server then refused every request. Sampled steps take the
+    R = T buckets' logits, each item's last row: the draws equal the in-process model's on the same logits."""
+    from qcompile.runtime.sampling import Sampling
+
+    model, out, _ = built
+    art = load_artifact(out)
+    assert not art.program.samples  # the R = B buckets carry no logits
+    draws = []
+    for engine in (art.engine(), model.engine(CACHE)):
+        a, b = engine.add_sequence(), engine.add_sequence()
+        work = [(a, [3, 17, 42, 9, 5]), (b, [7])]  # 6 tokens: a T = 8 bucket over 2 slots
+        sampling = [Sampling(0.9, 0, 1.0, 5), Sampling(0.7, 4, 0.9, 6)]
+        draws.append(engine.step_tokens(work, sampling, [0, 0]))
+    assert draws[0] == draws[1] and all(0 <= t < model.checkpoint.config.vocab_size for t in draws[0])

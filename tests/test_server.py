@@ -273,12 +273,37 @@ def test_cancelling_half_of_many_streams_leaves_the_pool_full(server):
     ({"prompt": [1], "stream": "yes"}, 400, "stream"),
     ({"prompt": [1], "echo": True}, 400, "echo"),
     ({"prompt": [1], "model": "gpt-4"}, 404, "model"),
+    ({"prompt": [1], "stop": [f"s{i}" for i in range(17)]}, 400, "stop"),
+    ({"prompt": [1], "stop_token_ids": list(range(257))}, 400, "stop_token_ids"),
 ])
 def test_bad_requests_get_an_error_naming_the_field(server, body, status, param):
     response = httpx.post(server.url + "/v1/completions", json=body, timeout=30)
     assert response.status_code == status
     error = response.json()["error"]
     assert error["param"] == param and error["message"]
+
+
+def test_bodies_too_deep_or_too_large_are_refused_at_once(server):
+    """JSON nested past Python's recursion limit is a 400 (a plain-text 500 before); a body past 4 MiB is a 413
+    before it is parsed or tokenised (a 20 MB text prompt held the event loop for 15 s)."""
+    deep = httpx.post(server.url + "/v1/completions", content=b"[" * 100000 + b"]" * 100000, timeout=30)
+    assert deep.status_code == 400 and "not valid JSON" in deep.json()["error"]["message"]
+    big = httpx.post(server.url + "/v1/completions", content=b'{"prompt": "' + b"x" * (5 << 20) + b'"}', timeout=60)
+    assert big.status_code == 413 and "larger than" in big.json()["error"]["message"]
+    surrogate = httpx.post(server.url + "/v1/completions", content=b'{"prompt": "a\\ud800b"}', timeout=30)
+    assert surrogate.status_code == 400 and surrogate.json()["error"]["param"] == "prompt"  # cannot be encoded
+    assert httpx.get(server.url + "/health", timeout=30).status_code == 200
+
+
+def test_a_huge_top_k_keeps_every_token_and_the_engine_alive(server):
+    """top_k past the vocabulary means no top-k filter (it overflowed int32 on the engine thread and stopped the
+    engine for every client)."""
+    body = {"prompt": [5, 6], "max_tokens": 2, "temperature": 1.0, "top_k": 2**31, "seed": 3}
+    response = httpx.post(server.url + "/v1/completions", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    again = httpx.post(server.url + "/v1/completions", json={**body, "top_k": 0}, timeout=120)
+    assert again.json()["choices"][0]["token_ids"] == response.json()["choices"][0]["token_ids"]
+    assert httpx.get(server.url + "/health", timeout=30).status_code == 200
 
 
 def test_malformed_bodies_and_the_other_endpoints(server):

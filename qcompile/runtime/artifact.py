@@ -312,6 +312,12 @@ class ExportedProgram:
     def buckets(self) -> list[tuple[int, int]]:
         return sorted(self._exported)
 
+    @property
+    def samples(self) -> bool:
+        """Whether every exported bucket returns logits (what an on-device sampler draws from); otherwise the
+        decode buckets return greedy token ids only."""
+        return all(has_logits for _, has_logits in self._exported.values())
+
     def token_bucket(self, n: int) -> int:
         for tokens in self._tokens:
             if tokens >= max(n, 1):

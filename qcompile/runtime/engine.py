@@ -372,8 +372,11 @@ class Engine:
             outputs = self._run(work, False, False)
             tokens = to_host(outputs[NEXT_TOKENS])
             return [int(tokens[rows[0]]) for rows in outputs["item_rows"]]
-        outputs = self._run(work, False, True)
-        drawn = sample(outputs[LOGITS], [rows[0] for rows in outputs["item_rows"]], sampling,
+        # An artifact exports logits with its R = T buckets only (R = B ones return greedy ids): sample from those,
+        # each item's last row.
+        all_rows = not getattr(self.program, "samples", True)
+        outputs = self._run(work, all_rows, True)
+        drawn = sample(outputs[LOGITS], [rows[-1] for rows in outputs["item_rows"]], sampling,
                        counters if counters is not None else [0] * len(work))
         return [int(t) for t in to_host(drawn)[:len(work)]]
 

@@ -45,6 +45,12 @@ UNSUPPORTED = {"echo": (False,), "logprobs": (), "best_of": (1,), "suffix": ("",
                "frequency_penalty": (0,), "logit_bias": ({},)}
 
 
+# Request limits: a body, stop strings and stop ids no client needs more of (OpenAI allows 4 stop strings); past
+# them a request is refused at once instead of tokenising or matching for seconds on the event loop.
+MAX_BODY_BYTES = 4 << 20
+MAX_STOP, MAX_STOP_CHARS, MAX_STOP_IDS = 16, 256, 256
+
+
 def _same_value(value, no_op) -> bool:
     """value == no_op as JSON means it: 0 and 0.0 alike, but a boolean only equals a boolean (True is not 1)."""
     if isinstance(value, bool) or isinstance(no_op, bool):
@@ -137,7 +143,10 @@ def _prompts(body: dict, info: ModelInfo, tokenizer) -> list[list[int]]:
         if isinstance(item, str):
             if tokenizer is None:
                 raise BadRequest("prompt", "this model has no tokenizer.json: send the prompt as token ids")
-            item = tokenizer.encode(item).ids
+            try:
+                item = tokenizer.encode(item).ids
+            except (TypeError, ValueError, UnicodeError) as err:  # e.g. a lone surrogate escape
+                raise BadRequest("prompt", f"the prompt text cannot be encoded ({type(err).__name__})") from None
         elif not (isinstance(item, list) and all(_is_int(t) for t in item)):
             raise BadRequest("prompt", "'prompt' must be text, a list of token ids, or a list of either")
         if not item:
@@ -178,9 +187,13 @@ def parse_completion(body, info: ModelInfo, tokenizer=None) -> Completion:
         raise BadRequest("stop", "'stop' must be a string or a list of strings")
     if stop and tokenizer is None:
         raise BadRequest("stop", "stop strings need the model's tokenizer.json; use stop_token_ids")
+    if stop and (len(stop) > MAX_STOP or any(len(s) > MAX_STOP_CHARS for s in stop)):
+        raise BadRequest("stop", f"at most {MAX_STOP} stop strings of at most {MAX_STOP_CHARS} characters")
     stop_ids = body.get("stop_token_ids") or []
-    if not (isinstance(stop_ids, list) and all(_is_int(t) and 0 <= t < info.vocab_size for t in stop_ids)):
-        raise BadRequest("stop_token_ids", "'stop_token_ids' must be a list of token ids in the vocabulary")
+    if not (isinstance(stop_ids, list) and len(stop_ids) <= MAX_STOP_IDS
+            and all(_is_int(t) and 0 <= t < info.vocab_size for t in stop_ids)):
+        raise BadRequest("stop_token_ids", f"'stop_token_ids' must be a list of at most {MAX_STOP_IDS} token ids "
+                                           "in the vocabulary")
     flags = {}
     for field in ("ignore_eos", "stream"):
         flags[field] = body.get(field) or False
@@ -193,13 +206,14 @@ def parse_completion(body, info: ModelInfo, tokenizer=None) -> Completion:
     if options and not flags["stream"]:
         raise BadRequest("stream_options", "'stream_options' needs stream: true")
     eos = () if flags["ignore_eos"] else info.eos_ids
+    temperature = _number(body, "temperature", 1.0, 0, 2)
     seed = body.get("seed")
     if seed is not None and not _is_int(seed):
         raise BadRequest("seed", f"'seed' must be an integer, got {json.dumps(seed)}")
     return Completion(
         prompts=tuple(tuple(p) for p in prompts), max_tokens=max_tokens, n=_integer(body, "n", 1, 1, 64),
-        temperature=_number(body, "temperature", 1.0, 0, 2), top_p=_number(body, "top_p", 1.0, 0, 1, low_open=True),
-        top_k=max(0, _integer(body, "top_k", 0, -1)),  # vLLM's -1 and OpenAI-less 0 both mean off
+        temperature=temperature, top_p=_number(body, "top_p", 1.0, 0, 1, low_open=True),
+        top_k=min(max(0, _integer(body, "top_k", 0, -1)), info.vocab_size),  # -1 and 0: off; past V: all
         seed=None if seed is None else seed % 2**32, stop=tuple(stop or ()),
         stop_ids=tuple(dict.fromkeys([*eos, *stop_ids])), stream=flags["stream"],
         include_usage=bool(options.get("include_usage")))
@@ -403,10 +417,15 @@ def create_app(loop: EngineLoop, info: ModelInfo, tokenizer=None, metrics: Metri
 
     async def completions(http: HttpRequest):
         try:
+            declared = http.headers.get("content-length")
+            if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+                raise BadRequest(None, f"the request body is larger than {MAX_BODY_BYTES} bytes", 413)
             raw = await http.body()
+            if len(raw) > MAX_BODY_BYTES:
+                raise BadRequest(None, f"the request body is larger than {MAX_BODY_BYTES} bytes", 413)
             try:
                 body = json.loads(raw)
-            except ValueError:
+            except (ValueError, RecursionError):
                 raise BadRequest(None, "the request body is not valid JSON") from None
             completion = parse_completion(body, info, tokenizer)
             if not loop.alive:
