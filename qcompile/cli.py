@@ -771,7 +771,7 @@ def serve_cmd(source, host, port, served_model_name, passes_spec, dtype, max_seq
                    "Ctrl-C stops", err=True)
         try:
             with frozen_heap():  # the loaded model's objects out of the garbage collector's walks (runtime/memory.py)
-                uvicorn_server(app, sock).run(sockets=[sock])
+                uvicorn_server(app, sock, on_exit=loop.request_stop).run(sockets=[sock])
         finally:
             loop.stop()
     finally:

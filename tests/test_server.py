@@ -331,7 +331,6 @@ def test_parse_completion_defaults_and_refusals():
         assert err.value.param == param
 
 
-
 def test_unsupported_fields_pass_at_their_no_op_values_only():
     """OpenAI clients send the fields this server does not implement at their defaults — null, {}, "", 0 or 0.0,
     false, 1 — and those must pass; anything that would change the result is refused, naming the field."""
@@ -346,6 +345,53 @@ def test_unsupported_fields_pass_at_their_no_op_values_only():
         with pytest.raises(BadRequest) as err:
             parse_completion({"prompt": [5], field: value}, info)
         assert err.value.param == field, (field, value)
+
+
+def test_a_signal_ends_requests_in_flight_with_abort(model):
+    """SIGTERM while streams run: the engine stops first, so every stream ends with a finish_reason and [DONE]
+    (uvicorn cut them off after its 5 s grace before, and non-streaming requests got a plain-text 500)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
+    command = [sys.executable, "-m", "qcompile.cli", "serve", str(model.checkpoint.path), "--port", "0",
+               "--passes", "none", "--verify", "none", "--no-warmup", "--max-seqs", "2", "--max-context", "512"]
+    proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        url, deadline = None, time.monotonic() + 240
+        while url is None:
+            assert time.monotonic() < deadline and proc.poll() is None
+            found = re.search(r"http://[\d.]+:\d+", proc.stderr.readline())
+            url = found.group(0) if found else None
+        ends: list = []
+        started = threading.Event()
+
+        def stream(i):
+            body = {"prompt": [5, 6, 7 + i], "max_tokens": 480, "stream": True, "ignore_eos": True, "seed": i}
+            events = []
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as response:
+                for line in response.iter_lines():
+                    if line.startswith("data: "):
+                        events.append(line[6:])
+                        started.set()
+            ends.append(events)
+
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(4)]  # 2 run, 2 wait for a slot
+        for thread in threads:
+            thread.start()
+        assert started.wait(120)
+        proc.send_signal(signal.SIGTERM)
+        for thread in threads:
+            thread.join(120)
+        assert proc.wait(60) == 0 and "Traceback" not in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert len(ends) == 4
+    for events in ends:
+        assert events[-1] == "[DONE]", events[-3:]
+        reasons = [json.loads(e)["choices"][0]["finish_reason"] for e in events[:-1] if json.loads(e).get("choices")]
+        assert reasons[-1] in ("abort", "length"), reasons[-3:]
+    assert any(json.loads(e[-2])["choices"][0]["finish_reason"] == "abort" for e in ends if e[-2].startswith("{"))
+
 
 def test_the_serve_command_starts_answers_and_stops_on_ctrl_c(model, tmp_path):
     """The real command: port 0, the address printed on stderr; SIGINT stops it with exit 0. A taken port and a

@@ -26,6 +26,7 @@ import random
 import socket
 import time
 import uuid
+from collections.abc import Callable
 
 import attrs
 
@@ -499,16 +500,20 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def uvicorn_server(app, sock: socket.socket):
+def uvicorn_server(app, sock: socket.socket, on_exit: Callable[[], None] | None = None):
     """A uvicorn server for `app` on a bound socket (run it with `.run(sockets=[sock])`; stop: `.should_exit`).
     Ctrl-C or SIGTERM stops it gracefully and `run` returns (uvicorn would raise the signal again afterwards, making
-    a normal stop look like a crash); a second Ctrl-C stops it at once."""
+    a normal stop look like a crash); a second Ctrl-C stops it at once. `on_exit` runs at the first signal, before
+    uvicorn closes the connections: the engine loop's request_stop, so requests in flight end with finish_reason
+    `abort` (and streams with [DONE]) instead of being cut off after uvicorn's grace period."""
     import uvicorn
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:
             if self.should_exit:
                 self.force_exit = True
+            elif on_exit is not None:
+                on_exit()
             self.should_exit = True
 
     host, port = sock.getsockname()[:2]

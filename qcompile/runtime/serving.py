@@ -14,6 +14,7 @@ If a step fails, every request in flight finishes with reason "error" (its liste
 from __future__ import annotations
 
 import queue
+import sys
 import threading
 import time
 from collections import deque
@@ -80,10 +81,15 @@ class EngineLoop:
 
     def stop(self, timeout: float = 30.0) -> None:
         """Finish the current step, cancel whatever is still in flight and end the thread."""
-        self._stopping = True
-        self._wake.set()
+        self.request_stop()
         if self._thread.is_alive():
             self._thread.join(timeout)
+
+    def request_stop(self) -> None:
+        """stop() without waiting (safe from a signal handler): after the current step every request still queued
+        or in flight finishes as cancelled, so its client gets a finish_reason before the connections close."""
+        self._stopping = True
+        self._wake.set()
 
     @property
     def alive(self) -> bool:
@@ -185,6 +191,9 @@ class EngineLoop:
                 self._report()
         except BaseException as err:  # noqa: BLE001 - reported through .error and every listener
             self.error = err
+            if not isinstance(err, (KeyboardInterrupt, SystemExit)):  # the operator sees why the server stopped serving
+                print(f"qcompile: the engine stopped: {type(err).__name__}: {' '.join(str(err).split())[:300]}; "
+                      "requests get 503 until the server is restarted", file=sys.stderr, flush=True)
         finally:
             self._apply_stopped()
 
