@@ -339,7 +339,12 @@ def test_outputs_that_cannot_be_created_are_refused_before_any_work(tiny, tmp_pa
                  ["check", tiny, "--prompts", prompts, "--json", tmp_path]):
         code, _, err = cli(capsys, *argv)
         assert code == 2 and one_line(err), (argv, err)
-    assert not list(tmp_path.glob(".qcompile-probe-*"))
+    # a writable place passes, and the probes leave nothing behind: no probe directory, no output created early
+    from qcompile.cli import _check_output_dir, _check_output_file
+
+    _check_output_dir(tmp_path / "new" / "dumps", "--dump-dir")
+    _check_output_file(tmp_path / "r.json", "--report")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.jsonl"]
 
 
 @pytest.mark.parametrize("argv, needle", [
