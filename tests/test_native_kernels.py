@@ -516,6 +516,30 @@ def test_gdn_recurrence_with_a_bf16_state_matches_the_oracle():
         assert np.mean(got64 == rounded) > 0.99  # rounded to nearest even, as XLA rounds
 
 
+def test_bf16_state_rounding_equals_xlas_conversion_at_every_finite_value():
+    """A decode token's bf16 state rows are rounded in registers (native/bf16.h narrow16: VCVTNEPS2BF16 where the CPU
+    has it, the bit formula where not or for a vector with an f32 denormal lane). With k = 0 the new state is exactly
+    round(e·S): every finite bf16 value of S times e = 0.75 — a third of the products are ties between two bf16
+    values, some land below f32's normal range — against XLA's own multiply-and-convert on the same values, bit for
+    bit (±0 alike: the kernel's e·S + 0·δ turns -0 into +0). Truncating, or rounding ties away from zero, fails."""
+    bits = np.arange(65536, dtype=np.uint32).astype(np.uint16)
+    bits[(bits & 0x7F80) == 0x7F80] = 0  # inf and NaN would poison Sᵀk for their whole slot
+    state = jnp.asarray(bits.view(jnp.bfloat16).reshape(4, 1, 128, 128))
+    t = 4
+    zeros = jnp.zeros((t, 1, 128), jnp.float32)
+    g = jnp.full((t, 1), np.log(0.75), jnp.float32)
+    decay = float(np.exp(np.float32(np.log(0.75))))
+    assert decay == 0.75
+    _, got = jax.jit(gdn.gdn_recurrent_native)(zeros, zeros, zeros, g, jnp.full((t, 1), 0.5, jnp.float32), state,
+                                               jnp.arange(t + 1, dtype=jnp.int32), jnp.arange(t, dtype=jnp.int32))
+    want = jax.jit(lambda s: (s.astype(jnp.float32) * decay).astype(jnp.bfloat16))(state)
+    got, want = np.asarray(got).view(np.uint16).ravel(), np.asarray(want).view(np.uint16).ravel()
+    zero = (want & 0x7FFF) == 0
+    assert np.array_equal(got[~zero], want[~zero])
+    assert not (got[zero] & 0x7FFF).any()
+    assert zero.sum() < 1000  # the comparison is over the values, not over zeros
+
+
 def test_gdn_rule_uses_the_kernel_and_updates_the_state_in_place():
     """The CPU rule lowers to the custom call with the new state aliasing the old (no state copy in the module)."""
     q = jnp.ones((4, 2, 8), jnp.float32)

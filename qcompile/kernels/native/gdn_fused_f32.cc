@@ -44,15 +44,6 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-inline float load(const float* p) { return *p; }
-inline float load(const uint16_t* p) {
-  float f;
-  qcompile_native::widen(p, &f, 1);
-  return f;
-}
-inline void store(float* p, float f) { *p = f; }
-inline void store(uint16_t* p, float f) { qcompile_native::narrow(&f, p, 1); }
-
 inline float softplus(float x) { return x > 0.0f ? x + std::log1p(std::exp(-x)) : std::log1p(std::exp(x)); }
 
 // β = sigmoid(b) of a bf16 value as the reference computes it on CPU: e^-b and 1 + e^-b rounded to bf16, the
@@ -63,6 +54,34 @@ inline float bf16_graph_beta(float b) {
   using qcompile_native::round16;
   using qcompile_native::splat;
   return (1.0f / round16(round16(qcompile_native::exp16_to_inf(-splat(b))) + 1.0f))[0];
+}
+
+// Between a run of conv history as stored, [n][width], and the kernel's window, [width][n] with rows `stride` apart
+// (to_window true: run -> window, else back). width 3 (the K = 4 of every Qwen3.5 / Qwen3-Next size) is a
+// compile-time stride, which the compiler vectorises with permutes; the scalar copy cost more than a decode token's
+// delta rule.
+template <int W, bool ToWindow>
+inline void transpose_fixed(float* __restrict run, float* __restrict window, int64_t n, int64_t stride) {
+  for (int64_t i = 0; i < n; ++i)
+    for (int m = 0; m < W; ++m) {
+      if constexpr (ToWindow)
+        window[m * stride + i] = run[i * W + m];
+      else
+        run[i * W + m] = window[m * stride + i];
+    }
+}
+
+inline void transpose_history(float* run, float* window, int64_t n, int64_t width, int64_t stride, bool to_window) {
+  if (width == 3)
+    return to_window ? transpose_fixed<3, true>(run, window, n, stride)
+                     : transpose_fixed<3, false>(run, window, n, stride);
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t m = 0; m < width; ++m) {
+      if (to_window)
+        window[m * stride + i] = run[i * width + m];
+      else
+        run[i * width + m] = window[m * stride + i];
+    }
 }
 
 template <class ConvT, class StateT>
@@ -110,11 +129,14 @@ void run_item(const Job<ConvT, StateT>& j, int64_t item) {
   for (auto* buf : {&window, &wt, &xc, &y})
     if (static_cast<int64_t>(buf->size()) < j.k * nch) buf->resize(j.k * nch);
   for (int64_t m = 0; m < j.k; ++m) gather(j.conv_wt + m * j.c, wt.data() + m * nch);
-  for (int r = 0; r < 3; ++r)
-    for (int64_t i = 0; i < count[r]; ++i) {
-      const ConvT* cs = j.conv_read[seq] + (first[r] + i) * width;
-      for (int64_t m = 0; m < width; ++m) window[m * nch + offset[r] + i] = load(cs + m);
-    }
+  // The conv history of a column range is one contiguous run of count·(K-1) values ([C][K-1]): widened (or copied)
+  // as a run, then transposed — per-value conversions here cost more than the decode token's delta rule.
+  static thread_local std::vector<float> run;
+  if (static_cast<int64_t>(run.size()) < nch * width) run.resize(nch * width);
+  for (int r = 0; r < 3; ++r) {
+    qcompile_native::widen(j.conv_read[seq] + first[r] * width, run.data(), count[r] * width);
+    transpose_history(run.data(), window.data() + offset[r], count[r], width, nch, true);
+  }
   // The value heads' states: used where they lie when f32, or when bf16 and the sequence has one token this step
   // (each row widened and rounded back once); else (a bf16 prefill) read into f32 once, rounded once at the end.
   const int64_t per_head = dk * dv;
@@ -177,11 +199,10 @@ void run_item(const Job<ConvT, StateT>& j, int64_t item) {
     }
   }
   if (!in_range) return;
-  for (int r = 0; r < 3; ++r)
-    for (int64_t i = 0; i < count[r]; ++i) {
-      ConvT* cs = j.conv_state + (slot * j.c + first[r] + i) * width;
-      for (int64_t m = 0; m < width; ++m) store(cs + m, window[m * nch + offset[r] + i]);
-    }
+  for (int r = 0; r < 3; ++r) {
+    transpose_history(run.data(), window.data() + offset[r], count[r], width, nch, false);
+    qcompile_native::narrow(run.data(), j.conv_state + (slot * j.c + first[r]) * width, count[r] * width);
+  }
   if (!direct) qcompile_native::narrow(states, stored, ratio * per_head);
 }
 
