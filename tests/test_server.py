@@ -271,6 +271,8 @@ def test_cancelling_half_of_many_streams_leaves_the_pool_full(server):
     ({"prompt": [1], "temperature": -1}, 400, "temperature"),
     ({"prompt": [1], "top_p": 0}, 400, "top_p"),
     ({"prompt": [1], "stream": "yes"}, 400, "stream"),
+    ({"prompt": [1], "stream": 0}, 400, "stream"),  # not a boolean: OpenAI refuses it (it passed as false)
+    ({"prompt": [1], "ignore_eos": 1}, 400, "ignore_eos"),
     ({"prompt": [1], "echo": True}, 400, "echo"),
     ({"prompt": [1], "model": "gpt-4"}, 404, "model"),
     ({"prompt": [1], "stop": [f"s{i}" for i in range(17)]}, 400, "stop"),
@@ -314,6 +316,104 @@ def test_malformed_bodies_and_the_other_endpoints(server):
     models = httpx.get(server.url + "/v1/models").json()["data"]
     assert [m["id"] for m in models] == ["small"] and models[0]["max_model_len"] == 48
     assert httpx.get(server.url + "/v1/completions").status_code == 405
+
+
+def test_unknown_routes_and_methods_answer_with_openais_error_object(server):
+    """A client parses every error as OpenAI's {"error": {...}} (plain-text 404 / 405 before)."""
+    for response, status, words in ((httpx.get(server.url + "/v1/chat/completions"), 404, "/v1/completions"),
+                                    (httpx.get(server.url + "/v1/completions"), 405, "GET"),
+                                    (httpx.delete(server.url + "/v1/models"), 405, "DELETE")):
+        assert response.status_code == status
+        error = response.json()["error"]
+        assert error["type"] == "invalid_request_error" and words in error["message"]
+    assert "POST" in httpx.get(server.url + "/v1/completions").headers["allow"]
+
+
+def test_text_prompts_are_tokenised_off_the_event_loop(server, tokenizer, monkeypatch):
+    """A body with text prompts is parsed on a worker thread, its texts encoded with one encode_batch, which lets go
+    of the GIL (encode holds it: a 4 MB prompt stalled every client for 2-3 s) — the same ids as encode."""
+    import qcompile.runtime.server as server_module
+
+    threads = []
+    real_parse = server_module.parse_completion
+
+    def parse(*args, **kwargs):
+        threads.append(threading.current_thread())
+        return real_parse(*args, **kwargs)
+
+    monkeypatch.setattr(server_module, "parse_completion", parse)
+    texts = ["keeping many sequences", "in flight"]
+    body = {"prompt": [texts[0], [5, 6], texts[1]], "max_tokens": 2, "temperature": 0}
+    response = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    assert len(threads) == 1 and threads[0] is not server.thread  # uvicorn's event loop runs on server.thread
+    assert response.json()["usage"]["prompt_tokens"] == sum(len(tokenizer.encode(t).ids) for t in texts) + 2
+    server.wait_pool_full()
+
+    class Recording:
+        def __init__(self):
+            self.batches = []
+
+        def encode_batch(self, batch):
+            self.batches.append(list(batch))
+            return tokenizer.encode_batch(batch)
+
+    recording = Recording()
+    parsed = real_parse(body, server.info, recording)
+    assert recording.batches == [texts]
+    assert parsed.prompts == (tuple(tokenizer.encode(texts[0]).ids), (5, 6), tuple(tokenizer.encode(texts[1]).ids))
+
+
+def test_an_engine_failure_ends_streams_with_an_error_and_done(model, capsys):
+    """The engine raising mid-request: a stream gets OpenAI's error object and then [DONE] (a client waiting for
+    [DONE] hung before), a plain request a 500 with the error object, /health a 503 naming the error, and the
+    operator the reason on stderr."""
+    engine = model.engine(CacheConfig(max_seqs=2, max_context=48, max_step_tokens=8))
+    real, calls = engine.step_tokens, []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) > 3:
+            raise RuntimeError("the accelerator fell over")
+        return real(*args, **kwargs)
+
+    engine.step_tokens = failing
+    srv = Server(engine, None)
+    try:
+        body = {"prompt": [5, 6, 7], "max_tokens": 20, "temperature": 0}
+        stream = httpx.post(srv.url + "/v1/completions", json={**body, "stream": True}, timeout=60)
+        events = _sse(stream.text)  # asserts the last event is [DONE]
+        assert events[-1]["error"]["type"] == "server_error" and "fell over" in events[-1]["error"]["message"]
+        assert all("choices" in e for e in events[:-1]) and len(events) > 1  # the tokens made before it
+        plain = httpx.post(srv.url + "/v1/completions", json=body, timeout=60)
+        assert plain.status_code == 503 and plain.json()["error"]["message"]
+        health = httpx.get(srv.url + "/health", timeout=30)
+        assert health.status_code == 503 and "fell over" in health.json()["error"]
+    finally:
+        srv.close()
+    assert "the engine stopped: RuntimeError: the accelerator fell over" in capsys.readouterr().err
+
+
+def test_the_tokens_per_second_gauge_falls_to_zero_when_idle(server):
+    """The gauge is set after engine steps; a scrape reads it fresh, so an idle server reports 0 after the window
+    (it kept the last busy value before)."""
+    response = httpx.post(server.url + "/v1/completions", json={"prompt": [4, 5], "max_tokens": 4,
+                                                                 "temperature": 0}, timeout=60)
+    assert response.status_code == 200
+    server.wait_pool_full()
+
+    def gauge() -> float:
+        text = httpx.get(server.url + "/metrics", timeout=30).text
+        return float(re.search(r"^qcompile_generation_tokens_per_second (\S+)", text, re.M).group(1))
+
+    window = server.loop.window
+    try:
+        assert gauge() > 0
+        server.loop.window = 0.2
+        time.sleep(0.3)
+        assert gauge() == 0.0
+    finally:
+        server.loop.window = window
 
 
 def test_parse_completion_defaults_and_refusals():

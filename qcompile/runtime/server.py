@@ -11,8 +11,10 @@ draws with seed + i.
 
 Errors: a malformed request gets 400 with OpenAI's error object, `param` naming the field (an unknown field too: a
 misspelled option must not be silently ignored); a request that does not fit the context or the page pool gets 400;
-an unknown model 404; a server whose engine stopped 503. A client that disconnects — streaming or not — cancels its
-requests between steps, so their slots and pages go back at once.
+an unknown model or path 404, a wrong method 405 (OpenAI's error object too); a server whose engine stopped 503; a
+stream whose step failed gets the error as an event, then [DONE]. A client that disconnects — streaming or not —
+cancels its requests between steps, so their slots and pages go back at once. Text prompts are tokenised off the
+event loop.
 
 The engine runs on its own thread (runtime/serving.py); this module only translates: HTTP ↔ requests, ids ↔ text
 (frontend/tokenizer.py's TextStream, with stop strings) and the metrics.
@@ -139,15 +141,17 @@ def _prompts(body: dict, info: ModelInfo, tokenizer) -> list[list[int]]:
         prompt = [prompt]
     if not isinstance(prompt, list) or not prompt:
         raise BadRequest("prompt", "'prompt' must be text, a non-empty list of token ids, or a list of either")
+    texts = [item for item in prompt if isinstance(item, str)]
+    if texts and tokenizer is None:
+        raise BadRequest("prompt", "this model has no tokenizer.json: send the prompt as token ids")
+    try:  # encode_batch releases the GIL while it works (encode holds it: a 4 MB prompt stalled every client 2-3 s)
+        encoded = iter([e.ids for e in tokenizer.encode_batch(texts)] if texts else [])
+    except (TypeError, ValueError, UnicodeError) as err:  # e.g. a lone surrogate escape
+        raise BadRequest("prompt", f"the prompt text cannot be encoded ({type(err).__name__})") from None
     ids: list[list[int]] = []
     for item in prompt:
         if isinstance(item, str):
-            if tokenizer is None:
-                raise BadRequest("prompt", "this model has no tokenizer.json: send the prompt as token ids")
-            try:
-                item = tokenizer.encode(item).ids
-            except (TypeError, ValueError, UnicodeError) as err:  # e.g. a lone surrogate escape
-                raise BadRequest("prompt", f"the prompt text cannot be encoded ({type(err).__name__})") from None
+            item = next(encoded)
         elif not (isinstance(item, list) and all(_is_int(t) for t in item)):
             raise BadRequest("prompt", "'prompt' must be text, a list of token ids, or a list of either")
         if not item:
@@ -157,6 +161,12 @@ def _prompts(body: dict, info: ModelInfo, tokenizer) -> list[list[int]]:
             raise BadRequest("prompt", f"token id {bad[0]} is outside the vocabulary (0..{info.vocab_size - 1})")
         ids.append(list(item))
     return ids
+
+
+def _has_text(body) -> bool:
+    """Whether a request body holds text prompts (which need tokenising)."""
+    prompt = body.get("prompt") if isinstance(body, dict) else None
+    return isinstance(prompt, str) or (isinstance(prompt, list) and any(isinstance(p, str) for p in prompt))
 
 
 def parse_completion(body, info: ModelInfo, tokenizer=None) -> Completion:
@@ -197,9 +207,9 @@ def parse_completion(body, info: ModelInfo, tokenizer=None) -> Completion:
                                            "in the vocabulary")
     flags = {}
     for field in ("ignore_eos", "stream"):
-        flags[field] = body.get(field) or False
-        if not isinstance(flags[field], bool):
-            raise BadRequest(field, f"'{field}' must be true or false")
+        flags[field] = False if body.get(field) is None else body[field]
+        if not isinstance(flags[field], bool):  # 0 or "" too: OpenAI refuses a non-boolean
+            raise BadRequest(field, f"'{field}' must be true or false, got {json.dumps(flags[field])}")
     options = body.get("stream_options") or {}
     if not isinstance(options, dict) or set(options) - {"include_usage"} or \
             not isinstance(options.get("include_usage", False), bool):
@@ -414,6 +424,7 @@ def create_app(loop: EngineLoop, info: ModelInfo, tokenizer=None, metrics: Metri
     async def prometheus(_request):
         from prometheus_client import CONTENT_TYPE_LATEST
 
+        state.metrics.tokens_per_s.set(loop.tokens_per_s())  # the engine reports it per step: stale when idle
         return Response(state.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     async def completions(http: HttpRequest):
@@ -428,7 +439,10 @@ def create_app(loop: EngineLoop, info: ModelInfo, tokenizer=None, metrics: Metri
                 body = json.loads(raw)
             except (ValueError, RecursionError):
                 raise BadRequest(None, "the request body is not valid JSON") from None
-            completion = parse_completion(body, info, tokenizer)
+            if _has_text(body):  # tokenising may take seconds: off the event loop, which serves every client
+                completion = await asyncio.to_thread(parse_completion, body, info, tokenizer)
+            else:
+                completion = parse_completion(body, info, tokenizer)
             if not loop.alive:
                 raise BadRequest(None, "the engine is not running", 503)
             job = _Completions(state, completion)
@@ -474,13 +488,30 @@ def create_app(loop: EngineLoop, info: ModelInfo, tokenizer=None, metrics: Metri
             if job.completion.include_usage:
                 yield f"data: {json.dumps({**job.envelope([]), 'usage': job.usage()})}\n\n"
             yield "data: [DONE]\n\n"
-        except BadRequest as err:
+        except BadRequest as err:  # the engine failed mid-stream: the error event, then the end of the stream
             yield f"data: {json.dumps(err.body())}\n\n"
+            yield "data: [DONE]\n\n"
         finally:  # normal end, or the client disconnected (this generator is closed or cancelled)
             job.cancel_unfinished()
 
+    async def http_error(request: HttpRequest, exc):
+        """Unknown paths and wrong methods answer with OpenAI's error object too (clients parse it)."""
+        status = getattr(exc, "status_code", 500)
+        if status == 404:
+            message = f"no route {request.url.path}; this server has /v1/completions, /v1/models, /health, /metrics"
+        elif status == 405:
+            message = f"{request.method} is not allowed on {request.url.path}"
+        else:
+            message = str(getattr(exc, "detail", "")) or "error"
+        headers = getattr(exc, "headers", None)
+        return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "param": None,
+                                       "code": None}}, status_code=status, headers=headers)
+
+    from starlette.exceptions import HTTPException
+
     return Starlette(routes=[Route("/health", health), Route("/v1/models", models), Route("/metrics", prometheus),
-                             Route("/v1/completions", completions, methods=["POST"])])
+                             Route("/v1/completions", completions, methods=["POST"])],
+                     exception_handlers={HTTPException: http_error})
 
 
 def bind(host: str, port: int) -> socket.socket:

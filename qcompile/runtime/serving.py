@@ -147,18 +147,24 @@ class EngineLoop:
         if job is not None:
             job.on_finish(request)
 
+    def tokens_per_s(self) -> float:
+        """Generated tokens per second over the last `window` seconds, now (0 once the server has been idle that
+        long); safe from any thread (it reads a copy of the step record, which only the engine thread trims)."""
+        now = time.perf_counter()
+        recent = [(at, count) for at, count in list(self._made) if at >= now - self.window]
+        span = min(self.window, now - recent[0][0]) if recent else 0.0
+        return sum(count for _, count in recent) / span if span > 0 else 0.0
+
     def state(self) -> LoopState:
         engine, now = self.scheduler.engine, time.perf_counter()
         while self._made and self._made[0][0] < now - self.window:
             self._made.popleft()
-        span = min(self.window, now - self._made[0][0]) if self._made else 0.0
-        made = sum(count for _, count in self._made)
         total_pages, total_slots = engine.sizes["P"], engine.cache_cfg.max_seqs
         return LoopState(running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
                          kv_pages_used=total_pages - sum(map(len, engine.free_pages_by_rank)),
                          kv_pages_total=total_pages,
                          slots_used=total_slots - sum(map(len, engine.free_slots_by_rank)), slots_total=total_slots,
-                         tokens_per_s=made / span if span > 0 else 0.0, step_seconds=self._last_step,
+                         tokens_per_s=self.tokens_per_s(), step_seconds=self._last_step,
                          tokens_made=self._tokens_made, preemptions=self.scheduler.preemptions)
 
     def _report(self) -> None:
