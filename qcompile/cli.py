@@ -451,6 +451,7 @@ def run_cmd(checkpoint, prompt_ids, prompt_texts, max_new_tokens, dtype, save_lo
             slots = -(-slots // mesh.size) * mesh.size
         model = load_model(checkpoint, dtype, rewrite=rewrite)
         model.checkpoint.warn_unknown()
+        model.checkpoint.warn_context(longest + max_new_tokens, "the longest prompt + --max-new-tokens")
         eos_ids = model.checkpoint.config.eos_token_ids
         vocab, family, graph_dtype = model.checkpoint.config.vocab_size, model.checkpoint.config.family, model.graph.meta["dtype"]
         engine = model.engine(CacheConfig(max_seqs=slots, max_context=longest + max_new_tokens,
@@ -737,6 +738,7 @@ def serve_cmd(source, host, port, served_model_name, passes_spec, dtype, max_seq
                 emit=lambda line: click.echo(line, err=True),
                 progress=lambda line: click.echo(f"qcompile: {line}", err=True))
             ckpt.warn_unknown()
+            ckpt.warn_context(cache.max_context, "--max-context")
             from qcompile.runtime.engine import Engine
 
             engine = Engine(builds[0].graph, builds[0].params, cache, target, memory_budget)

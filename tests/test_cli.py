@@ -75,6 +75,27 @@ def test_run_json_is_machine_readable(tiny_dirs, capsys):
     assert [int(t) for t in plain.strip().split(",")] == result["tokens"]
 
 
+def test_a_context_past_max_position_embeddings_is_warned_about_not_refused(tiny_dirs, capsys, tmp_path):
+    """transformers runs positions past max_position_embeddings (RoPE has no hard limit), so qcompile does too, but
+    says so on stderr: the model was not trained there."""
+    import shutil
+
+    path = shutil.copytree(tiny_dirs["qwen3_5_moe"], tmp_path / "short")
+    config = json.loads((path / "config.json").read_text())
+    config["text_config"]["max_position_embeddings"] = 8
+    (path / "config.json").write_text(json.dumps(config))
+    code, within, err = cli(capsys, "run", path, "--prompt-ids", "1,2,3", "--max-new-tokens", 5)
+    assert code == 0 and "max_position_embeddings" not in err
+    code, past, err = cli(capsys, "run", path, "--prompt-ids", "1,2,3", "--max-new-tokens", 6)
+    assert code == 0 and past.startswith(within.strip())
+    assert "the longest prompt + --max-new-tokens allows 9 tokens, past the checkpoint's max_position_embeddings " \
+           "(8)" in err
+    config["text_config"]["max_position_embeddings"] = "long"
+    (path / "config.json").write_text(json.dumps(config))
+    code, _, err = cli(capsys, "run", path, "--prompt-ids", "1,2,3", "--max-new-tokens", 5)
+    assert code == 65 and "'max_position_embeddings' must be a non-negative integer" in err
+
+
 @pytest.mark.slow
 def test_several_prompts_are_served_together_and_each_matches_its_own_run(tiny_dirs, capsys, tmp_path):
     """Two --prompt-ids of different lengths in one batch (shared prefill and decode steps, ragged) give, line by

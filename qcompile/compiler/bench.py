@@ -165,6 +165,7 @@ def run_bench(opts: BenchOptions, emit=print) -> dict:
             opts.source, specs, dtype=opts.dtype, mesh=opts.mesh, verify=opts.verify, seed=opts.seed, emit=emit,
             options=(("concurrency", max(opts.concurrency)), ("max_context", input_len + output_len)))
         vocab, dtype = ckpt.config.vocab_size, builds[0].graph.meta["dtype"]
+        ckpt.warn_context(input_len + output_len, "--input-len + --output-len")
     setup_seconds = time.perf_counter() - started
     log("measuring the machine's ceilings (copy bandwidth, matmul rate)")
     ceilings = measure_ceilings()

@@ -101,6 +101,7 @@ def compile_checkpoint(opts: CompileOptions, emit: Callable[[str], None] = print
                          f"{', '.join(sorted(known - {'all'})) or '(no passes are registered yet)'}")
     ckpt = Checkpoint.open(opts.checkpoint)
     ckpt.warn_unknown()
+    ckpt.warn_context(opts.cache.max_context, "--max-context")
     graph = build_graph(ckpt, opts.dtype, opts.import_page_size, fp8=opts.fp8)
     emit(_model_line(ckpt, graph))
     if opts.output is not None:  # before minutes of passes and checks: the pipeline keeps the weights' bytes

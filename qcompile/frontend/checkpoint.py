@@ -331,6 +331,12 @@ class Checkpoint:
             totals[info.dtype] = totals.get(info.dtype, 0) + info.nbytes
         return totals
 
+    def warn_context(self, tokens: int, what: str, stream=None) -> None:
+        """Warn on stderr when a context of `tokens` tokens (set by `what`) is past max_position_embeddings."""
+        warning = self.config.context_warning(tokens, what)
+        if warning:
+            print(warning, file=sys.stderr if stream is None else stream)
+
     def warn_unknown(self, stream=None) -> None:
         stream = sys.stderr if stream is None else stream  # looked up now: honour a redirected sys.stderr
         if self.unknown:

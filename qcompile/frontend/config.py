@@ -60,6 +60,7 @@ class ModelConfig:
     dtype: str  # checkpoint's declared dtype: f32 | bf16 | f16
     eos_token_ids: tuple[int, ...] = ()  # generation stops after one of these (config, else generation_config.json)
     quantization: Quantization | None = None  # FP8 checkpoints (frontend/quantization.py)
+    max_position_embeddings: int | None = None  # the context the model was trained for (None: not stated)
 
     @property
     def rotary_dim(self) -> int:
@@ -80,6 +81,15 @@ class ModelConfig:
     @property
     def gva_ratio(self) -> int:  # r = Hv / Hk
         return self.linear_num_value_heads // self.linear_num_key_heads
+
+    def context_warning(self, tokens: int, what: str) -> str | None:
+        """A warning when `what` (a context of `tokens` tokens) reaches past max_position_embeddings: positions the
+        model was not trained on. transformers runs them too (RoPE has no hard limit), so it is not an error."""
+        limit = self.max_position_embeddings
+        if not limit or tokens <= limit:
+            return None
+        return (f"qcompile: warning: {what} allows {tokens} tokens, past the checkpoint's max_position_embeddings "
+                f"({limit}); positions beyond it were not trained and output quality may fall there")
 
     def layer_counts(self) -> dict[str, int]:
         return {t: self.layer_types.count(t) for t in (LINEAR, FULL)}
@@ -215,6 +225,8 @@ def parse_config(raw: dict, where: str = "config.json") -> ModelConfig:
         dtype=_DTYPE_NAMES.get(str(dtype_name), "bf16" if dtype_name is None else str(dtype_name)),
         eos_token_ids=eos_ids(text.get("eos_token_id", raw.get("eos_token_id")), where) or (),
         quantization=parse_quantization(raw, where),
+        max_position_embeddings=None if text.get("max_position_embeddings") is None
+        else _int(text, "max_position_embeddings", where),
     )
     _check_consistency(cfg, where)
     return cfg
