@@ -202,6 +202,9 @@ def test_n_choices_and_seeded_sampling_are_reproducible(server):
             "n": 2}
     first, again = (httpx.post(server.url + "/v1/completions", json=body, timeout=60).json() for _ in range(2))
     assert [c["index"] for c in first["choices"]] == [0, 1, 2, 3]
+    # usage counts each prompt once, whatever n (as OpenAI does), and every choice's tokens
+    assert first["usage"]["prompt_tokens"] == len(PROMPTS[0]) + len(PROMPTS[2])
+    assert first["usage"]["completion_tokens"] == sum(len(c["token_ids"]) for c in first["choices"])
     assert [c["token_ids"] for c in first["choices"]] == [c["token_ids"] for c in again["choices"]]
     # choice i draws with seed + i: two samples of one prompt differ (5 tokens from a flat random model)
     assert first["choices"][0]["token_ids"] != first["choices"][1]["token_ids"]
@@ -212,11 +215,17 @@ def _generated(server) -> float:
     return float(re.search(r"^qcompile_generation_tokens_total (\S+)", text, re.M).group(1))
 
 
+def _aborted(server) -> float:
+    text = httpx.get(server.url + "/metrics").text
+    found = re.search(r'^qcompile_requests_finished_total\{finish_reason="abort"\} (\S+)', text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
 def test_a_client_that_goes_away_frees_its_pages(server):
     """A client that hangs up is cancelled between steps: its pages are free and it stopped generating long before
     its 40 tokens (the engine counts every token it makes)."""
     body = {"prompt": PROMPTS[0], "max_tokens": 40, "temperature": 0, "stream": True}
-    before = _generated(server)
+    before, aborted = _generated(server), _aborted(server)
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as response:
         lines = response.iter_lines()
         assert next(line for line in lines if line.startswith("data: "))
@@ -237,6 +246,7 @@ def test_a_client_that_goes_away_frees_its_pages(server):
     assert _generated(server) - before < 40
     metrics = httpx.get(server.url + "/metrics").text
     assert re.search(r"^qcompile_requests_running 0\.0$", metrics, re.M)
+    assert _aborted(server) - aborted == 2  # both hung-up choices finished as abort in the metrics
 
 
 def test_cancelling_half_of_many_streams_leaves_the_pool_full(server):
@@ -277,6 +287,13 @@ def test_cancelling_half_of_many_streams_leaves_the_pool_full(server):
     ({"prompt": [1], "model": "gpt-4"}, 404, "model"),
     ({"prompt": [1], "stop": [f"s{i}" for i in range(17)]}, 400, "stop"),
     ({"prompt": [1], "stop_token_ids": list(range(257))}, 400, "stop_token_ids"),
+    # a false-like value of the wrong type is not "absent" (they passed), nor a non-string model "not found"
+    ({"prompt": [1], "stop_token_ids": 0}, 400, "stop_token_ids"),
+    ({"prompt": [1], "stream_options": False}, 400, "stream_options"),
+    ({"prompt": [1], "model": 5}, 400, "model"),
+    # prompts × n past 256 choices (64 000 held the event loop for seconds)
+    ({"prompt": [[1]] * 257}, 400, "prompt"),
+    ({"prompt": [[1]] * 5, "n": 64}, 400, "n"),
 ])
 def test_bad_requests_get_an_error_naming_the_field(server, body, status, param):
     response = httpx.post(server.url + "/v1/completions", json=body, timeout=30)

@@ -52,6 +52,9 @@ UNSUPPORTED = {"echo": (False,), "logprobs": (), "best_of": (1,), "suffix": ("",
 # them a request is refused at once instead of tokenising or matching for seconds on the event loop.
 MAX_BODY_BYTES = 4 << 20
 MAX_STOP, MAX_STOP_CHARS, MAX_STOP_IDS = 16, 256, 256
+# Choices (prompts × n) per request: each is a request in the engine, made and cancelled one by one; 64 000 of them
+# (1000 prompts × n 64, a 6 KB body) held the event loop ~2 s and the engine thread ~3 s when the client left.
+MAX_CHOICES = 256
 
 
 def _same_value(value, no_op) -> bool:
@@ -141,6 +144,8 @@ def _prompts(body: dict, info: ModelInfo, tokenizer) -> list[list[int]]:
         prompt = [prompt]
     if not isinstance(prompt, list) or not prompt:
         raise BadRequest("prompt", "'prompt' must be text, a non-empty list of token ids, or a list of either")
+    if len(prompt) > MAX_CHOICES:  # before tokenising them
+        raise BadRequest("prompt", f"at most {MAX_CHOICES} prompts a request, got {len(prompt)}")
     texts = [item for item in prompt if isinstance(item, str)]
     if texts and tokenizer is None:
         raise BadRequest("prompt", "this model has no tokenizer.json: send the prompt as token ids")
@@ -181,9 +186,14 @@ def parse_completion(body, info: ModelInfo, tokenizer=None) -> Completion:
         elif field not in FIELDS:
             raise BadRequest(field, f"unknown field '{field}'")
     model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise BadRequest("model", f"'model' must be a string, got {json.dumps(model)}")
     if model is not None and model != info.name:
         raise BadRequest("model", f"the model '{model}' does not exist; this server has '{info.name}'", 404)
+    n = _integer(body, "n", 1, 1, 64)
     prompts = _prompts(body, info, tokenizer)
+    if len(prompts) * n > MAX_CHOICES:
+        raise BadRequest("n", f"{len(prompts)} prompts × n {n} is more than {MAX_CHOICES} choices a request")
     max_tokens = _integer(body, "max_tokens", 16, 1)
     longest = max(len(p) for p in prompts)
     if longest >= info.max_context:
@@ -200,7 +210,7 @@ def parse_completion(body, info: ModelInfo, tokenizer=None) -> Completion:
         raise BadRequest("stop", "stop strings need the model's tokenizer.json; use stop_token_ids")
     if stop and (len(stop) > MAX_STOP or any(len(s) > MAX_STOP_CHARS for s in stop)):
         raise BadRequest("stop", f"at most {MAX_STOP} stop strings of at most {MAX_STOP_CHARS} characters")
-    stop_ids = body.get("stop_token_ids") or []
+    stop_ids = [] if body.get("stop_token_ids") is None else body["stop_token_ids"]
     if not (isinstance(stop_ids, list) and len(stop_ids) <= MAX_STOP_IDS
             and all(_is_int(t) and 0 <= t < info.vocab_size for t in stop_ids)):
         raise BadRequest("stop_token_ids", f"'stop_token_ids' must be a list of at most {MAX_STOP_IDS} token ids "
@@ -210,7 +220,7 @@ def parse_completion(body, info: ModelInfo, tokenizer=None) -> Completion:
         flags[field] = False if body.get(field) is None else body[field]
         if not isinstance(flags[field], bool):  # 0 or "" too: OpenAI refuses a non-boolean
             raise BadRequest(field, f"'{field}' must be true or false, got {json.dumps(flags[field])}")
-    options = body.get("stream_options") or {}
+    options = {} if body.get("stream_options") is None else body["stream_options"]
     if not isinstance(options, dict) or set(options) - {"include_usage"} or \
             not isinstance(options.get("include_usage", False), bool):
         raise BadRequest("stream_options", "'stream_options' may only hold include_usage: true|false")
@@ -222,7 +232,7 @@ def parse_completion(body, info: ModelInfo, tokenizer=None) -> Completion:
     if seed is not None and not _is_int(seed):
         raise BadRequest("seed", f"'seed' must be an integer, got {json.dumps(seed)}")
     return Completion(
-        prompts=tuple(tuple(p) for p in prompts), max_tokens=max_tokens, n=_integer(body, "n", 1, 1, 64),
+        prompts=tuple(tuple(p) for p in prompts), max_tokens=max_tokens, n=n,
         temperature=temperature, top_p=_number(body, "top_p", 1.0, 0, 1, low_open=True),
         top_k=min(max(0, _integer(body, "top_k", 0, -1)), info.vocab_size),  # -1 and 0: off; past V: all
         seed=None if seed is None else seed % 2**32, stop=tuple(stop or ()),
@@ -321,17 +331,23 @@ class _Completions:
         metrics = self.state.metrics
         for choice in self.choices:
             self.state.loop.check(choice.request)  # before any is queued: all or nothing
+        metrics.prompt_tokens.inc(sum(map(len, self.completion.prompts)))  # each prompt once, as usage counts
         for choice in self.choices:
-            metrics.prompt_tokens.inc(len(choice.request.prompt))
             self.state.loop.submit(choice.request,
                                    lambda r, t, i=choice.index: self._post("token", i, t, time.perf_counter()),
                                    lambda r, i=choice.index: self._post("finish", i, r.finish_reason,
                                                                         time.perf_counter()))
 
     def cancel_unfinished(self) -> None:
+        """Cancel the choices still running (the client went away, or the stream ended on an error): they finish
+        as `abort` in the metrics — nothing reads their engine events any more."""
+        metrics, now = self.state.metrics, time.perf_counter()
         for choice in self.choices:
             if choice.finish_reason is None:
                 self.state.loop.cancel(choice.request)
+                choice.finish_reason = "abort"
+                metrics.requests.labels("abort").inc()
+                metrics.e2e.observe(now - choice.arrived)
 
     async def pieces(self):
         """(choice, text, new ids, finish_reason or None) as the engine makes tokens, until every choice ended."""
@@ -369,7 +385,7 @@ class _Completions:
             yield choice, piece, [value] if value is not None else [], reason
 
     def usage(self) -> dict:
-        prompt = sum(len(c.request.prompt) for c in self.choices)
+        prompt = sum(map(len, self.completion.prompts))  # each prompt once, whatever n (as OpenAI counts)
         made = sum(len(c.token_ids) for c in self.choices)
         return {"prompt_tokens": prompt, "completion_tokens": made, "total_tokens": prompt + made}
 
