@@ -275,6 +275,28 @@ def test_a_tensor_parallel_artifact_runs_like_the_single_device_model(tmp_path, 
     assert outputs[0] == outputs[1] and len(outputs[0].splitlines()) == 2
 
 
+def test_a_purely_tensor_parallel_artifact_runs(tmp_path, capsys):
+    """--mesh 2 --layout tp2 (one data-parallel rank split over two devices): the artifact's executables are exported
+    for 2 devices, so its weights and caches must be placed on the mesh too — they stayed on one device and every
+    run, check and bench of such an artifact failed ("exported for 2 devices ... called in a context with 1")."""
+    from qcompile.cli import main
+
+    path = write_small(tmp_path / "ckpt")
+    art = tmp_path / "tp2"
+    with pytest.raises(SystemExit) as done:
+        main([str(path), "--mesh", "2", "--layout", "tp2", "--passes", "gqa-sharding", "-o", str(art),
+              "--max-seqs", "2", "--max-context", "16", "--max-step-tokens", "4", "--verify", "none"])
+    assert done.value.code == 0, capsys.readouterr().err
+    capsys.readouterr()
+    outputs = []
+    for source in (art, path):
+        with pytest.raises(SystemExit) as done:
+            main(["run", str(source), "--prompt-ids", "1,2,3", "--max-new-tokens", "4", "--ignore-eos"])
+        assert done.value.code == 0, capsys.readouterr().err
+        outputs.append(capsys.readouterr().out)
+    assert outputs[0] == outputs[1] and outputs[0].strip()
+
+
 def test_bad_layouts_are_usage_errors(tmp_path, capsys):
     """--layout without --mesh, without gqa-sharding, or naming a plan the heads cannot take: exit 2 with why."""
     from qcompile.cli import main

@@ -298,6 +298,8 @@ class ExportedProgram:
         self._exported = exported
         self.placement = MeshPlacement(mesh, cache_types, param_types or {})
         self.ranks = self.placement.ranks
+        # exported for several devices: data-parallel ranks, or one rank split tensor-parallel (ranks 1)
+        self.multi_device = mesh is not None and mesh.size > 1
         self._tokens = sorted({t // self.ranks for t, _ in exported})  # per rank
         self._callables: dict[tuple[int, int], object] = {}
         self.compiled_buckets = CompiledBuckets()
@@ -336,7 +338,7 @@ class ExportedProgram:
             raise UsageError(f"the artifact's T{key[0]}/R{key[1]} executable returns token ids only; logits are "
                              "exported for all-token (prompt logits) steps")
         fn = self._callables.get(key)
-        if fn is None and self.ranks > 1:  # the exported module carries its shardings on the mesh
+        if fn is None and self.multi_device:  # the exported module carries its shardings on the mesh
             fn = self._callables[key] = jax.jit(exported.call, donate_argnums=(1,))
         elif fn is None:
             # Single device: pin in/out shardings so that committed outputs fed back as inputs (the caches) hit

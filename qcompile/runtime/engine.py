@@ -53,11 +53,13 @@ class Sequence:
 
 class MeshPlacement:
     """Where a laid-out step program's parameters and caches live: each array with its NamedSharding on the mesh,
-    placed once (a step then moves no weights). Without data-parallel ranks everything stays as given."""
+    placed once (a step then moves no weights). On one device everything stays as given. A tensor-parallel layout
+    has one data-parallel rank but still spans the mesh (an artifact of one was called with single-device arrays and
+    refused: "exported for 2 devices and called in a context with 1")."""
 
     def __init__(self, mesh, cache_types: dict[str, TensorType], param_types: dict[str, TensorType]):
         self.ranks = mesh_ranks(mesh)
-        self.mesh = mesh if self.ranks > 1 else None
+        self.mesh = mesh if mesh is not None and mesh.size > 1 else None
         self._devices = self.mesh.jax_mesh() if self.mesh is not None else None
         self.cache_types, self.param_types = cache_types, param_types
 
@@ -149,7 +151,7 @@ class Engine:
         if cache.max_seqs % self.ranks:
             raise UsageError(f"{cache.max_seqs} sequence slots do not split over {self.ranks} data-parallel ranks; "
                              f"give --max-seqs a multiple of {self.ranks}")
-        self.params = program.place_params(params) if self.ranks > 1 else params
+        self.params = program.place_params(params)  # on the mesh when there is one (as given on one device)
         self.cache_cfg = cache
         self.page_size = int(program.page_size)
         self.pages_per_seq = cache.pages_per_seq(self.page_size)
@@ -162,8 +164,7 @@ class Engine:
             self.check_memory_budget(memory_budget)
         cache = self.cache_cfg
         self.caches = {name: jnp.zeros(t.bind(self.sizes), np_dtype(t.dtype)) for name, t in program.cache_types.items()}
-        if self.ranks > 1:
-            self.caches = program.place_caches(self.caches)
+        self.caches = program.place_caches(self.caches)
         if self.sizes["P"] % self.ranks:
             raise UsageError(f"{self.sizes['P']} KV pages do not split over {self.ranks} data-parallel ranks; give "
                              f"--num-pages a multiple of {self.ranks}")
