@@ -98,10 +98,24 @@ def test_numerics_failure_exits_3_and_reproduces(toy_registry, ckpt, capsys, tmp
     assert code == 3 and "loosen-eps" in out and "relative error" in out
     info = json.loads((repro / "repro.json").read_text())
     assert Path(info["checkpoint"]).is_absolute()  # `qcompile reproduce` works from any directory
-    for broken in ("[]", json.dumps({k: v for k, v in info.items() if k != "seed"}), json.dumps({**info, "seed": "x"})):
+    art = tmp_path / "art"
+    art.mkdir()
+    (art / "manifest.json").write_text("{}")
+    # each malformed field is one line and exit 65 (internal errors before; a NaN bound reported the failure fixed)
+    for broken, why in (("[]", "not a qcompile reproducer"),
+                        (json.dumps({k: v for k, v in info.items() if k != "seed"}), "'seed' must be an integer"),
+                        (json.dumps({**info, "seed": "x"}), "'seed' must be an integer"),
+                        (json.dumps({**info, "seed": -3}), "'seed' must be an integer"),
+                        (json.dumps({**info, "bound": float("nan")}), "'bound' must be a positive number"),
+                        (json.dumps({**info, "verify_experts": "abc"}), "'verify_experts' must be an integer"),
+                        (json.dumps({**info, "verify_experts": 1000}), "expert count 1000 outside"),
+                        (json.dumps({**info, "meta": {}}), "its 'meta' lacks 'vocab_size'"),
+                        (json.dumps({**info, "checkpoint": 5}), "names no checkpoint"),
+                        (json.dumps({**info, "checkpoint": str(art)}), "is a qcompile artifact; this needs the "),
+                        (json.dumps({**info, "target": "bogus"}), "'target' must be one of")):
         (repro / "repro.json").write_text(broken)
         code, _, err = cli(capsys, "reproduce", repro)
-        assert code == 65 and "not a qcompile reproducer" in err and len(err.splitlines()) == 1, err
+        assert code == 65 and why in err and len(err.splitlines()) == 1, (why, err)
 
 
 def test_reproduce_reports_when_a_failure_is_gone(toy_registry, ckpt, capsys, tmp_path, monkeypatch):

@@ -16,6 +16,7 @@ from pathlib import Path
 from qcompile.errors import CheckpointError
 from qcompile.frontend.checkpoint import Checkpoint
 from qcompile.ir.parser import parse_graph
+from qcompile.ir.registry import LOWERING_TARGETS
 from qcompile.passes.equivalence import EquivalenceChecker
 from qcompile.passes.manager import check_pass, run_pipeline
 from qcompile.passes.registry import parse_spec
@@ -46,26 +47,40 @@ def reproduce(directory: Path) -> tuple[bool, str]:
         raise CheckpointError(f"{directory}: not a qcompile reproducer ({err})") from None
     if not isinstance(info, dict) or not isinstance(info.get("meta") or {}, dict):
         raise CheckpointError(f"{directory}/repro.json: not a qcompile reproducer (expected a JSON object)")
-    for key, kind in (("seed", int), ("bound", float)):
-        try:
-            kind(info[key])
-        except (KeyError, TypeError, ValueError):
-            raise CheckpointError(f"{directory}/repro.json: not a qcompile reproducer ('{key}' missing or not a "
-                                  "number)") from None
-    meta = info.get("meta") or {}
-    graph = parse_graph(input_text, str(directory / "input.qir"), meta=meta)
-    reference = parse_graph(reference_text, str(directory / "reference.qir"), meta=meta)
-    if not info.get("checkpoint"):
-        raise CheckpointError(f"{directory}/repro.json: names no checkpoint to take the weights from")
-    checkpoint = Checkpoint.open(info["checkpoint"])
-    if info.get("verify_experts"):  # the check ran on a slice restricted to its first N routed experts
-        checkpoint = checkpoint.with_experts(int(info["verify_experts"]))
-    params = load_params(checkpoint, reference)
+
+    def refuse(why: str) -> CheckpointError:
+        return CheckpointError(f"{directory}/repro.json: {why}; write it again with the failing compile's "
+                               "--repro-dir")
+
+    seed, bound = info.get("seed"), info.get("bound")
+    if type(seed) is not int or not 0 <= seed < 2**32:
+        raise refuse(f"'seed' must be an integer in 0..2^32-1, got {json.dumps(seed)}")
+    if isinstance(bound, bool) or not isinstance(bound, (int, float)) or not 0 < bound < float("inf"):
+        raise refuse(f"'bound' must be a positive number, got {json.dumps(bound)}")  # NaN: every error passes
+    experts = info.get("verify_experts")
+    if experts is not None and type(experts) is not int:
+        raise refuse(f"'verify_experts' must be an integer, got {json.dumps(experts)}")
     target = info.get("target") or "reference"
-    checker = EquivalenceChecker(reference, params, seed=int(info["seed"]), target=target)
+    if target not in LOWERING_TARGETS:
+        raise refuse(f"'target' must be one of {', '.join(LOWERING_TARGETS)}, got {json.dumps(target)}")
+    if not info.get("checkpoint") or not isinstance(info["checkpoint"], str):
+        raise refuse("it names no checkpoint (a path) to take the weights from")
+    meta = info.get("meta") or {}
+    try:
+        graph = parse_graph(input_text, str(directory / "input.qir"), meta=meta)
+        reference = parse_graph(reference_text, str(directory / "reference.qir"), meta=meta)
+        checkpoint = Checkpoint.open(info["checkpoint"])
+        if experts:  # the check ran on a slice restricted to its first N routed experts
+            checkpoint = checkpoint.with_experts(experts)
+        params = load_params(checkpoint, reference)
+        checker = EquivalenceChecker(reference, params, seed=seed, target=target)
+    except KeyError as err:
+        raise refuse(f"its 'meta' lacks {err}") from None
+    except ValueError as err:
+        raise refuse(str(err)) from None
     passes = parse_spec(pipeline)
     result = run_pipeline(graph, passes, verify_mode="none")
-    bound = float(info["bound"])
+    bound = float(bound)
     names = ", ".join(p.name for p in passes) or "none"
     lossy = any(p.tolerance == "lossy" for p in passes)
     if info.get("failing_pass") == "final":  # the whole pipeline (target rules) against the reference (reference rules)

@@ -307,6 +307,9 @@ def load_config(path: str | Path) -> ModelConfig:
             raise CheckpointError(f"{path}: {info.st_size} bytes is not a config.json (at most {MAX_CONFIG_BYTES})")
         raw = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
+        if (path.parent / "manifest.json").is_file():  # an artifact where a checkpoint is wanted
+            raise CheckpointError(f"{path.parent}: is a qcompile artifact; this needs the Hugging Face checkpoint "
+                                  "(config.json and safetensors) it was compiled from") from None
         if (path.parent / "graph.qir").is_file() or (path.parent / "exec").is_dir():
             raise CheckpointError(f"{path.parent}: looks like a qcompile artifact without its manifest.json (an "
                                   "incomplete copy?); compile it again") from None
