@@ -786,8 +786,9 @@ def serve_cmd(source, host, port, served_model_name, passes_spec, dtype, max_seq
               help='JSON lines: {"prompt_ids": [...]} or {"prompt": "..."} (needs the checkpoint\'s tokenizer.json).')
 @click.option("--reference", type=click.Path(path_type=Path), metavar="CHECKPOINT",
               help="The unoptimized model (required for an artifact; default: the checkpoint itself).")
-@click.option("--passes", "passes_spec", default="all", show_default=True, metavar="SPEC",
-              help="Passes of the candidate when SOURCE is a checkpoint.")
+@click.option("--passes", "passes_spec", default=None, metavar="SPEC",
+              help="Passes of the candidate when SOURCE is a checkpoint (default: all); refused for an artifact, "
+                   "which carries its own.")
 @click.option("--max-new-tokens", default=32, show_default=True, help="Steps compared per prompt.")
 @click.option("--min-agreement", default=0.99, show_default=True,
               help="Exit 3 when the overall top-1 agreement is below this.")

@@ -78,12 +78,36 @@ def test_an_artifact_against_its_checkpoint(ckpts, prompts, tmp_path, capsys):
     assert code == 2 and "needs --reference CHECKPOINT" in err
     code, _, err = cli(capsys, "check", art, "--reference", ckpts[0], "--prompts", prompts, "--max-new-tokens", "40")
     assert code == 2 and "needs a context of 44; the artifact holds 32" in err
+    # --passes is a checkpoint's choice: an artifact carries its own (a misspelled pass passed silently)
+    code, _, err = cli(capsys, "check", art, "--reference", ckpts[0], "--prompts", prompts, "--passes", "bogus")
+    assert code == 2 and "--passes bogus: " in err and "is an artifact" in err
     # a reference of another architecture is named as such (exit 2), not measured into a 0% agreement (exit 3)
     from conftest import write_small
 
     other = write_small(tmp_path / "other", seed=7, layer_types=("linear_attention", "full_attention") * 2)
     code, _, err = cli(capsys, "check", art, "--reference", other, "--prompts", prompts, "--max-new-tokens", "2")
     assert code == 2 and "is not the model the artifact was compiled from: its num_layers is 4" in err, err
+
+
+def test_prompts_from_a_pipe_and_absurd_sizes(ckpts, tmp_path, capsys):
+    """--prompts /dev/stdin or a FIFO is read (it was "file not found"), with a cap (/dev/zero never ends); a
+    --max-new-tokens past what qcompile supports names that flag (it named --max-context, which check lacks)."""
+    import os
+    import threading
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    writer = threading.Thread(target=lambda: fifo.write_text('{"prompt_ids": [5, 6, 7]}\n'), daemon=True)
+    writer.start()
+    code, text, err = cli(capsys, "check", ckpts[0], "--prompts", fifo, "--passes", "none", "--max-new-tokens", "2")
+    writer.join(10)
+    assert code == 0 and "1 prompts" in text, err
+    code, _, err = cli(capsys, "check", ckpts[0], "--prompts", "/dev/zero")
+    assert code == 2 and "more than 256 MiB of prompts" in err
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt_ids": [5, 6, 7]}\n')
+    code, _, err = cli(capsys, "check", ckpts[0], "--prompts", prompts, "--max-new-tokens", "100000000")
+    assert code == 2 and "--max-new-tokens 100000000: " in err and "--max-context" not in err
 
 
 @pytest.mark.parametrize("content, message", [

@@ -28,7 +28,7 @@ import numpy as np
 
 from qcompile.errors import NumericsError, UsageError
 from qcompile.frontend.tokenizer import load_tokenizer
-from qcompile.ir.abi import CacheConfig
+from qcompile.ir.abi import MAX_CONTEXT, CacheConfig
 
 
 @attrs.frozen
@@ -36,7 +36,7 @@ class CheckOptions:
     source: Path
     prompts: Path
     reference: Path | None = None
-    passes: str = "all"
+    passes: str | None = None  # a checkpoint's candidate passes (None: all); an artifact carries its own
     max_new_tokens: int = 32
     min_agreement: float = 0.99
     json_path: Path | None = None
@@ -54,17 +54,27 @@ def _plain(value):
     return json.loads(json.dumps(value, default=str))
 
 
+MAX_PROMPTS_BYTES = 256 << 20
+
+
 def read_prompts(path: Path, checkpoint_dir: Path | None, vocab_size: int) -> list[list[int]]:
     """Prompt token ids from a JSON-lines file; every problem is a UsageError naming the line."""
-    if not path.is_file():
+    if not path.exists():
         raise UsageError(f"--prompts {path}: file not found")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as err:
-        line = path.read_bytes()[:err.start].count(b"\n") + 1
-        raise UsageError(f"--prompts {path}:{line}: not UTF-8 text (give JSON lines)") from None
+    if path.is_dir():
+        raise UsageError(f"--prompts {path}: is a directory; give a JSON-lines file")
+    try:  # a pipe (/dev/stdin) too; read with a cap, so /dev/zero cannot fill the memory
+        with path.open("rb") as stream:
+            data = stream.read(MAX_PROMPTS_BYTES + 1)
     except OSError as err:
         raise UsageError(f"--prompts {path}: cannot read it ({err.strerror or err})") from None
+    if len(data) > MAX_PROMPTS_BYTES:
+        raise UsageError(f"--prompts {path}: more than {MAX_PROMPTS_BYTES >> 20} MiB of prompts; split the file")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = data[:err.start].count(b"\n") + 1
+        raise UsageError(f"--prompts {path}:{line}: not UTF-8 text (give JSON lines)") from None
     tokenizer = None
     prompts = []
     for number, line in enumerate(text.splitlines(), start=1):
@@ -157,6 +167,9 @@ def run_check(opts: CheckOptions, emit=print) -> dict:
         raise UsageError(f"--json {opts.json_path}: directory {Path(opts.json_path).parent} does not exist")
     log = lambda text: print(f"qcompile check: {text}", file=sys.stderr, flush=True)  # noqa: E731
     if is_artifact(opts.source):
+        if opts.passes is not None:
+            raise UsageError(f"--passes {opts.passes}: {opts.source} is an artifact, compiled with its passes already "
+                             "(--passes chooses the passes of a checkpoint checked in-process)")
         if opts.reference is None:
             raise UsageError(f"check {opts.source}: an artifact needs --reference CHECKPOINT, the unoptimized model "
                              "to compare it with")
@@ -187,16 +200,20 @@ def run_check(opts: CheckOptions, emit=print) -> dict:
         ckpt = Checkpoint.open(opts.source)
         dtype, page_size, vocab = None, 16, ckpt.config.vocab_size
         prompts = read_prompts(Path(opts.prompts), Path(opts.source), vocab)
-        cache = CacheConfig(max_seqs=min(8, len(prompts)), max_context=max(len(p) for p in prompts)
-                            + opts.max_new_tokens, max_step_tokens=512)
-        candidate_label = f"{opts.source} (passes {opts.passes})"
+        context = max(len(p) for p in prompts) + opts.max_new_tokens
+        if context > MAX_CONTEXT:
+            raise UsageError(f"--max-new-tokens {opts.max_new_tokens}: the longest prompt plus the new tokens need a "
+                             f"context of {context} tokens; qcompile supports up to {MAX_CONTEXT}")
+        cache = CacheConfig(max_seqs=min(8, len(prompts)), max_context=context, max_step_tokens=512)
+        passes_spec = opts.passes or "all"
+        candidate_label = f"{opts.source} (passes {passes_spec})"
 
         def make_candidate(reference):
             from qcompile.runtime.engine import Engine
 
-            log(f"compiling {opts.source} with --passes {opts.passes}")
+            log(f"compiling {opts.source} with --passes {passes_spec}")
             same = ref_dir.resolve() == Path(opts.source).resolve()  # then its weights are read once, not twice
-            graph, params = _compile_in_process(ckpt, opts.passes, reference.params if same else None)
+            graph, params = _compile_in_process(ckpt, passes_spec, reference.params if same else None)
             return Engine(graph, params, cache)
     log(f"loading the reference {ref_dir}")
     reference = load_model(ref_dir, dtype, page_size=page_size, progress=False)
