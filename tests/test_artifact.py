@@ -17,7 +17,8 @@ from qcompile.frontend.tiny import write_tiny
 from qcompile.compiler.export import write_artifact
 from qcompile.ir.abi import CacheConfig, bucket_shapes
 from qcompile.ir.ops.core import Param
-from qcompile.runtime.artifact import MANIFEST, ExportedProgram, is_artifact, load_artifact, sha256_file
+from qcompile.runtime.artifact import (DIGEST_KEY, MANIFEST, ExportedProgram, is_artifact, load_artifact,
+                                       manifest_digest, sha256_file)
 from qcompile.runtime.model import load_model
 
 CACHE = CacheConfig(max_seqs=2, max_context=64, max_step_tokens=16)
@@ -140,11 +141,33 @@ def test_missing_exec_refused(artifact_copy):
     assert "step_T4_R4.jaxexport" in str(err) and "missing" in str(err)
 
 
+def write_sealed(path: Path, manifest: dict) -> None:
+    """An edited manifest with its digest made again (a forged one): the checks behind the digest must still hold."""
+    path.write_text(json.dumps({**manifest, DIGEST_KEY: manifest_digest(manifest)}))
+
+
 def edit_manifest(root: Path, **changes) -> None:
     path = root / MANIFEST
     manifest = json.loads(path.read_text())
     manifest.update(changes)
-    path.write_text(json.dumps(manifest))
+    write_sealed(path, manifest)
+
+
+def test_a_manifest_edited_after_it_was_written_is_refused(artifact_copy):
+    """Each field the manifest holds (sizes, mesh, passes, dtype, vocabulary) is sealed by its digest: an edit is
+    one line, exit 65 (a larger max_context or page_size failed inside the first step, exit 1; an edited vocab_size
+    let out-of-vocabulary ids through)."""
+    path = artifact_copy / MANIFEST
+    original = json.loads(path.read_text())
+    assert original[DIGEST_KEY] == manifest_digest(original)
+    for edit in (lambda m: m["cache"].update(max_context=100000), lambda m: m.update(page_size=32),
+                 lambda m: m["config"].update(vocab_size=100000), lambda m: m.update(passes="oops"),
+                 lambda m: m.update(compute_dtype="bf16")):
+        manifest = json.loads(json.dumps(original))
+        edit(manifest)
+        path.write_text(json.dumps(manifest))
+        err = refusal(artifact_copy)
+        assert "edited after it was written" in str(err) and err.exit_code == 65
 
 
 def test_foreign_target_refused(artifact_copy):
@@ -155,11 +178,11 @@ def test_foreign_target_refused(artifact_copy):
 
 
 def test_edited_manifest_shapes_caught_by_executables(artifact_copy):
-    # The manifest carries no hash of itself: its claims are checked against the (hashed) executables.
+    # Behind the digest (a forged one), the manifest's claims are checked against the (hashed) executables.
     path = artifact_copy / MANIFEST
     manifest = json.loads(path.read_text())
     manifest["cache"]["sizes"]["P"] = 9  # shapes no longer match the exported executables
-    path.write_text(json.dumps(manifest))
+    write_sealed(path, manifest)
     err = refusal(artifact_copy)
     assert "mismatched artifact" in str(err) and ".jaxexport" in str(err)
 
@@ -198,7 +221,7 @@ def test_undeserializable_exec_refused_with_versions(artifact_copy):
     manifest = json.loads(path.read_text())
     manifest["files"][rel] = {"sha256": sha256_file(artifact_copy / rel), "bytes": 64}
     manifest["jax_version"] = "0.0.1"
-    path.write_text(json.dumps(manifest))
+    write_sealed(path, manifest)
     err = refusal(artifact_copy)
     assert "step_T1_R1.jaxexport" in str(err)
     assert "jax 0.0.1" in str(err) and f"jax {jax.__version__}" in str(err)

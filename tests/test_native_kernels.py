@@ -616,7 +616,9 @@ def test_artifact_names_the_kernel_and_refuses_an_unknown_one(tmp_path):
     shutil.copytree(out, bad)
     m = json.loads((bad / MANIFEST).read_text())
     m["native_kernels"] = ["qcompile_warp_drive"]
-    (bad / MANIFEST).write_text(json.dumps(m))
+    from qcompile.runtime.artifact import DIGEST_KEY, manifest_digest
+
+    (bad / MANIFEST).write_text(json.dumps({**m, DIGEST_KEY: manifest_digest(m)}))  # a forged, sealed manifest
     with pytest.raises(CheckpointError, match="names a kernel this qcompile does not have") as info:
         load_artifact(bad)
     assert info.value.exit_code == 65

@@ -35,8 +35,9 @@ from qcompile.ir.printer import print_graph
 from qcompile.ir.types import np_dtype
 from qcompile.ir.weights import param_types, weight_pieces
 from qcompile.kernels import native
-from qcompile.runtime.artifact import (CHECKPOINT_DIR, EXEC_DIR, FORMAT_VERSION, GRAPH_TEXT, MANIFEST, TARGETS,
-                                       WEIGHT_MODES, WEIGHTS, WRITING_MARKER, bucket_file, inside, sha256_file)
+from qcompile.runtime.artifact import (CHECKPOINT_DIR, DIGEST_KEY, EXEC_DIR, FORMAT_VERSION, GRAPH_TEXT, MANIFEST,
+                                       TARGETS, WEIGHT_MODES, WEIGHTS, WRITING_MARKER, bucket_file, inside,
+                                       manifest_digest, sha256_file)
 
 #: --target -> the lowering rules its executables are built with.
 TARGET_RULES = {"cpu": "cpu", "tpu": "tpu", "gpu": "gpu"}
@@ -330,6 +331,8 @@ def _write(out: Path, graph: Graph, weights, *, config_json, cache, target, plat
         "weights_seconds": round(weights_seconds, 3),
         **(extra or {}),
     }
+    manifest = json.loads(json.dumps(manifest))  # as load_artifact reads it (tuples become lists) ...
+    manifest[DIGEST_KEY] = manifest_digest(manifest)  # ... then sealed: see runtime/artifact.py manifest_digest
     text = json.dumps(manifest, indent=2) + "\n"
     _write_bytes_atomic(out / MANIFEST, text.encode())
     (out / WRITING_MARKER).unlink(missing_ok=True)

@@ -159,6 +159,16 @@ def _version_line(manifest: dict) -> str:
             f"this machine has jax {jax.__version__} / jaxlib {jaxlib.__version__}")
 
 
+DIGEST_KEY = "manifest_sha256"
+
+
+def manifest_digest(manifest: dict) -> str:
+    """sha256 of the manifest's own fields (all but this digest), as JSON with sorted keys: an edit to the sizes,
+    the mesh or the passes is refused at load instead of failing inside a step (exit 1) or being trusted."""
+    body = {key: value for key, value in manifest.items() if key != DIGEST_KEY}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
 def _read_manifest(root: Path) -> dict:
     path = root / MANIFEST
     if not root.is_dir():
@@ -173,6 +183,10 @@ def _read_manifest(root: Path) -> dict:
         raise _refuse(path, f"not valid JSON ({err})") from None
     if not isinstance(manifest, dict):
         raise _refuse(path, "not a JSON object")
+    digest = manifest.get(DIGEST_KEY)  # absent in artifacts written before it existed
+    if digest is not None and digest != manifest_digest(manifest):
+        raise _refuse(path, "edited after it was written (its fields no longer match its digest); compile the "
+                            "artifact again")
     version = manifest.get("format_version")
     if version not in READABLE_FORMAT_VERSIONS:
         readable = ", ".join(str(v) for v in READABLE_FORMAT_VERSIONS)
