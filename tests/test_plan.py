@@ -168,6 +168,8 @@ def test_build_specs_and_bad_input(tmp_path, capsys):
     for argv, message in ((["--target", "gpu"], "Invalid value for '--target'"),
                           (["--concurrency", "0"], "--concurrency levels must be positive"),
                           (["--concurrency", "a"], "comma-separated integers"),
+                          (["--concurrency", "1000000000000"], "more than qcompile plans (1048576)"),
+                          (["--input-len", "100000000"], "--input-len must be in 1..16777216"),
                           (["--passes", "nope"], "unknown pass"),
                           (["--mesh", "3"], "--mesh 3 has 3 devices"),
                           (["--json", str(tmp_path / "missing" / "p.json")], "--json")):
@@ -185,6 +187,29 @@ def test_build_specs_and_bad_input(tmp_path, capsys):
     out = capsys.readouterr().out
     assert done.value.code == 0 and "| all | custom | 8 | dp4xtp2+ep |" in out and "planned in" in out
     assert "lowered for" not in out
+
+
+def test_staged_collectives_count_once_per_stage_and_a_cpu_mesh_lowers(tmp_path):
+    """hierarchical-collectives runs an all-gather / reduce-scatter over two mesh levels as two collectives: the
+    graph's count beside the lowered program's counts each stage (it counted the op, and the lowered program showed
+    twice the graph's); and `plan --target cpu --chips 2` asks JAX for its devices before measuring the machine
+    (which started JAX with one, so the cpu plan never lowered)."""
+    import subprocess
+    import sys
+
+    path = write_small(tmp_path / "ckpt")
+    staged = _plan(path, target="h200", mesh="2x4", concurrency=(8,), ablate=False, input_len=16, output_len=8,
+                   lower=True)["lowered"]
+    assert staged["collectives"] == staged["graph_collectives"], staged
+    unstaged = _plan(path, target="h200", mesh="2x4", passes="all,-hierarchical-collectives", concurrency=(8,),
+                     ablate=False, input_len=16, output_len=8, lower=True)["lowered"]
+    assert staged["graph_collectives"]["all-gather"] == 2 * unstaged["graph_collectives"]["all-gather"]
+    done = subprocess.run([sys.executable, "-m", "qcompile.cli", "plan", str(path), "--target", "cpu", "--chips", "2",
+                           "--concurrency", "4", "--input-len", "8", "--output-len", "4", "--no-ablate"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    line = next(text for text in done.stdout.splitlines() if text.startswith("lowered for cpu"))
+    assert "not lowered" not in line and "(the graph's)" in line, line
 
 
 def test_a_cpu_plan_uses_xla_memory_analysis_where_this_host_can_compile(tmp_path):

@@ -27,12 +27,13 @@ _STABLEHLO_COLLECTIVE = re.compile(r"stablehlo\.(all_reduce|all_gather|reduce_sc
 
 
 def graph_collectives(graph: Graph) -> dict[str, int]:
-    """The graph's collective ops, counted by kind."""
+    """The graph's collective ops, counted by kind — a staged one (hierarchical-collectives: one collective over
+    several mesh axes run as one per group of axes) once per stage, as it lowers."""
     counts: dict[str, int] = {}
     for node in graph.nodes():
         kind = COLLECTIVE_KINDS.get(type(node.op))
         if kind is not None:
-            counts[kind] = counts.get(kind, 0) + 1
+            counts[kind] = counts.get(kind, 0) + max(1, len(getattr(node.op, "stages", ()) or ()))
     return dict(sorted(counts.items()))
 
 

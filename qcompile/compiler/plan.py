@@ -97,8 +97,9 @@ def target_of(name: str, chips: int | None) -> Target:
     if name == "cpu":
         from qcompile.compiler.measure import measure_ceilings
 
-        ceilings = measure_ceilings()
         chips = chips or 1
+        request_host_devices(chips)  # before measuring starts JAX: the lowering lays the step out on `chips` devices
+        ceilings = measure_ceilings()
         rates = ceilings["matmul_flops_per_s"]
         return Target("cpu (this machine, measured)", "cpu", chips, chips, _host_memory() // chips,
                       ceilings["bandwidth_bytes_per_s"] / chips, {k: v / chips for k, v in rates.items()},
