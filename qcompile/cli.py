@@ -836,7 +836,7 @@ def plan_cmd(source, target, chips, concurrency, input_len, output_len, passes_s
     tok/s per chip for prefill-heavy and decode-heavy work at the target's published ceilings — for `none`, --passes
     and each single-pass ablation. Nothing is read but config.json (or a checkpoint's headers)."""
     from qcompile.compiler.plan import PlanOptions, run_plan
-    from qcompile.ir.abi import MAX_CONTEXT
+    from qcompile.ir.abi import MAX_CONTEXT, MAX_SEQS
     from qcompile.passes.registry import parse_spec
 
     try:
@@ -845,10 +845,10 @@ def plan_cmd(source, target, chips, concurrency, input_len, output_len, passes_s
         raise UsageError(f"--concurrency must be comma-separated integers, got {concurrency!r}") from None
     if any(level < 1 for level in levels):
         raise UsageError(f"--concurrency levels must be positive, got {concurrency!r}")
-    if max(levels) > MAX_PLAN_CONCURRENCY:  # the plan walks every sequence's pages: memory grows with the level
-        raise UsageError(f"--concurrency {max(levels)} is more than qcompile plans ({MAX_PLAN_CONCURRENCY})")
-    for flag, value in (("--input-len", input_len), ("--output-len", output_len)):
-        if value is not None and not 0 < value <= MAX_CONTEXT:
+    if max(levels) > MAX_SEQS:  # the plan walks every sequence's pages: memory grows with the level
+        raise UsageError(f"--concurrency {max(levels)} is more than qcompile plans ({MAX_SEQS})")
+    for flag, value in (("--input-len", input_len), ("--output-len", output_len)):  # click checks >= 1
+        if value is not None and value > MAX_CONTEXT:
             raise UsageError(f"{flag} must be in 1..{MAX_CONTEXT}, got {value}")
     parse_spec(passes_spec)
     if json_path is not None:
@@ -859,9 +859,6 @@ def plan_cmd(source, target, chips, concurrency, input_len, output_len, passes_s
                          output_len=output_len, passes=passes_spec, ablate=not no_ablate, json=json_path,
                          mesh=mesh_spec, lower=not no_lower),
              emit=click.echo)
-
-
-MAX_PLAN_CONCURRENCY = 2**20  # sequences; --max-seqs has the same cap
 
 
 def _out_of_memory(err: BaseException) -> bool:

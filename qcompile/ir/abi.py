@@ -41,9 +41,10 @@ LOGITS, NEXT_TOKENS = "logits", "next_tokens"
 
 INDEX_LIMIT = 2**31 - 1  # token positions, page ids and KV slots are int32 in the step ABI
 MAX_CONTEXT = 2**24  # tokens a sequence may hold (CacheConfig.max_context)
+MAX_SEQS = 2**20  # sequence slots (CacheConfig.max_seqs; also the most `qcompile plan` takes as a concurrency)
 
 
-def _positive(name: str, flag: str, most: int = 2**24):
+def _positive(name: str, flag: str, most: int = MAX_CONTEXT):
     def check(instance, attribute, value):
         if value is None and attribute.name == "num_pages":
             return
@@ -59,7 +60,7 @@ def _positive(name: str, flag: str, most: int = 2**24):
 class CacheConfig:
     """Static sizes of the caches and of the largest step; every size is validated (a usage error, exit 2)."""
 
-    max_seqs: int = attrs.field(default=4, validator=_positive("max_seqs", "--max-seqs", 2**20))
+    max_seqs: int = attrs.field(default=4, validator=_positive("max_seqs", "--max-seqs", MAX_SEQS))
     max_context: int = attrs.field(default=512, validator=_positive("max_context", "--max-context", MAX_CONTEXT))
     num_pages: int | None = attrs.field(default=None, validator=_positive("num_pages", "--num-pages", 2**28))
     max_step_tokens: int = attrs.field(default=256, validator=_positive("max_step_tokens", "--max-step-tokens"))
