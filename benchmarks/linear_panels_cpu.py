@@ -78,6 +78,21 @@ def fma_panels_bf16(x, wp):
     return call(x.astype(jnp.float32), wp, swiglu=0).astype(x.dtype)
 
 
+def pairs_panels_bf16(x, wp):
+    """The VDPBF16PS pair kernel on bf16 panels whatever the row count (the rule's choice below AMX_MIN_ROWS on an
+    AVX512_BF16 CPU)."""
+    p, k, c = wp.shape
+    call = jax.ffi.ffi_call(lin.NATIVE_PANELS_BF16_PAIRS, jax.ShapeDtypeStruct((x.shape[0], p * c), jnp.bfloat16))
+    return call(x, wp, swiglu=0)
+
+
+def amx_panels_bf16(x, wp):
+    """The AMX kernel on bf16 panels whatever the row count (the rule's choice from AMX_MIN_ROWS on)."""
+    p, k, c = wp.shape
+    call = jax.ffi.ffi_call(lin.NATIVE_PANELS_AMX, jax.ShapeDtypeStruct((x.shape[0], p * c), jnp.float32))
+    return call(x, wp).astype(x.dtype)
+
+
 def main_bf16(args) -> None:
     if not native.ensure(lin.NATIVE_PANELS_BF16):
         raise SystemExit(f"native kernel unavailable: {native.status(lin.NATIVE_PANELS_BF16)}")
@@ -86,14 +101,18 @@ def main_bf16(args) -> None:
                                                                 jnp.bfloat16))) for n, k in SHAPES]
     nbytes = sum(n * k * 2 for n, k in SHAPES)
     amx = native.amx_bf16() and native.ensure(lin.NATIVE_PANELS_AMX)
-    print(f"AMX: {'yes' if amx else 'no'}; the rule uses it from {lin.AMX_MIN_ROWS} rows")
+    pairs = native.avx512_bf16() and native.ensure(lin.NATIVE_PANELS_BF16_PAIRS)
+    print(f"AMX: {'yes' if amx else 'no'}; the rule uses it from {lin.AMX_MIN_ROWS} rows; "
+          f"VDPBF16PS pairs: {'yes' if pairs else 'no'}")
     print("| rows | rule | ms | GB/s | GFLOP/s |\n|---|---|---|---|---|")
     for rows in (int(r) for r in args.rows.split(",")):
         x = jnp.asarray(rng.standard_normal((rows, 1024)), jnp.bfloat16)
         flops = sum(2 * rows * n * k for n, k in SHAPES)
-        rules = [("rule (amx)" if amx and rows >= lin.AMX_MIN_ROWS else "rule (fma)", lin.linear_panels_cpu)]
-        if amx and rows >= lin.AMX_MIN_ROWS:
-            rules.append(("fma", fma_panels_bf16))
+        rules = [("rule", lin.linear_panels_cpu), ("fma", fma_panels_bf16)]
+        if pairs:
+            rules.append(("pairs", pairs_panels_bf16))
+        if amx:
+            rules.append(("amx", amx_panels_bf16))
         for label, product in rules:
             ms = best_ms(chain(product), x, panels, repeats=args.repeats)
             print(f"| {rows} | {label} | {ms:.1f} | {nbytes / ms / 1e6:.1f} | {flops / ms / 1e6:.0f} |")

@@ -398,10 +398,15 @@ def test_linear_panels_bf16_pairs_match_float64_oracle():
         call = jax.ffi.ffi_call(lin.NATIVE_PANELS_BF16_PAIRS, jax.ShapeDtypeStruct((t, panels * lin.PANEL), jnp.float32))
         product = jax.jit(functools.partial(call, swiglu=0))(x, lin.pack_panels(w))
         got = np.asarray(product, np.float64)
-        # the rule's bf16 result (rounded in the kernel), and [gate ; up] panels' SwiGLU as the reference rounds it
+        # the rule's bf16 result (rounded in the kernel), and [gate ; up] panels' SwiGLU as the reference rounds it;
+        # from AMX_MIN_ROWS rows on a CPU with AMX tiles the rule multiplies there (its own sum order: its product)
+        rule_product = product
+        if t >= lin.AMX_MIN_ROWS and k % 32 == 0 and k and native.amx_bf16():
+            rule_product = jax.ffi.ffi_call(lin.NATIVE_PANELS_AMX, jax.ShapeDtypeStruct(
+                (t, panels * lin.PANEL), jnp.float32))(x, lin.pack_panels(w))
         for swiglu in (False, True)[:1 + (panels % 2 == 0)]:
             assert_bf16_result(jax.jit(functools.partial(lin.linear_panels_cpu, swiglu=swiglu))(
-                x, lin.pack_panels(w)), product, swiglu)
+                x, lin.pack_panels(w)), rule_product, swiglu)
         assert np.isfinite(got).all(), f"x {x.shape}: unwritten output"
         if want.size and np.abs(want).max() > 0:
             err = np.abs(got - want).max() / np.abs(want).max()
@@ -711,20 +716,28 @@ def test_amx_linear_matches_float64_oracle_with_row_tails():
 
 
 @amx
-def test_amx_grouped_matmul_matches_float64_oracle():
-    """bf16 rows and experts on AMX tiles: groups of 0-79 rows (every row structure of the linear's test; long ones
-    in items of 256), negative and overlong group sizes clipped, rows past the groups 0. Bound as the linear's, on the
-    f32 result."""
+@pytest.mark.parametrize("panels", [False, True])
+def test_amx_grouped_matmul_matches_float64_oracle(panels):
+    """bf16 rows and experts on AMX tiles, the experts as [E, K, Nout] or in panels [E, Nout/64, K, 64] (the cpu
+    layout; each 64-column strip one contiguous panel): groups of 0-79 rows (every row structure of the linear's
+    test; long ones in items of 256), negative and overlong group sizes clipped, rows past the groups 0. Bound as the
+    linear's, on the f32 result; a panel read with the other layout's stride would be off by O(1)."""
     rng = np.random.default_rng(41)
     for case in range(8):
-        experts, k, nout = int(rng.integers(1, 6)), int(rng.choice([32, 64, 96])), int(rng.choice([64, 128]))
+        experts, k, nout = int(rng.integers(1, 6)), int(rng.choice([32, 64, 96])), int(rng.choice([64, 128, 192]))
         n = 32 * experts + int(rng.integers(0, 50))
         gs = rng.integers(-2, 80, experts).astype(np.int32)
         rows = jnp.asarray(rng.standard_normal((n, k)), jnp.bfloat16)
         w = jnp.asarray(rng.standard_normal((experts, k, nout)), jnp.bfloat16)
-        assert gm._amx(rows, w)
-        call = jax.ffi.ffi_call(gm.NATIVE_AMX, jax.ShapeDtypeStruct((n, nout), jnp.float32))
-        got = np.asarray(jax.jit(call)(rows, w, jnp.asarray(gs)), np.float64)
+        if panels:
+            laid = w.reshape(experts, k, nout // gm.PANEL, gm.PANEL).transpose(0, 2, 1, 3)
+            assert gm._amx_panels(rows, laid)
+            call = jax.ffi.ffi_call(gm.NATIVE_PANELS_AMX, jax.ShapeDtypeStruct((n, nout), jnp.float32))
+        else:
+            laid = w
+            assert gm._amx(rows, w)
+            call = jax.ffi.ffi_call(gm.NATIVE_AMX, jax.ShapeDtypeStruct((n, nout), jnp.float32))
+        got = np.asarray(jax.jit(call)(rows, laid, jnp.asarray(gs)), np.float64)
         want, total = oracle(rows, w, gs)
         if total:
             err = np.abs(got[:total] - want[:total]).max() / np.abs(want[:total]).max()
@@ -736,15 +749,42 @@ def test_amx_grouped_matmul_matches_float64_oracle():
 @pytest.mark.parametrize("swiglu", [False, True])
 def test_bf16_grouped_matmul_rules_pick_amx_at_prefill(swiglu):
     """From AMX_MIN_ROWS_PER_EXPERT rows per expert on average (prefill) the bf16 rules run on AMX, below (decode) the
-    bf16 FMA kernel;
+    bf16 FMA kernel on [E, K, Nout], the pair kernel on panels (VDPBF16PS: every AMX CPU has AVX512_BF16);
     SwiGLU rounds the product to bf16 and takes the halves as the reference does (an epilogue on the f32 products
     flipped routes in a deep bf16 model: tests/test_check_noise.py)."""
-    w = jnp.ones((4, 64, 64), jnp.bfloat16)
+    w = jnp.ones((4, 64, 128), jnp.bfloat16)
     rule = gm.grouped_matmul_swiglu_cpu if swiglu else gm.grouped_matmul_cpu
     prefill = jax.jit(rule).lower(jnp.ones((128, 64), jnp.bfloat16), w, jnp.full((4,), 32, jnp.int32)).as_text()
     decode = jax.jit(rule).lower(jnp.ones((16, 64), jnp.bfloat16), w, jnp.full((4,), 4, jnp.int32)).as_text()
     assert gm.NATIVE_AMX in prefill and gm.NATIVE_BF16 not in prefill
     assert gm.NATIVE_AMX not in decode and gm.NATIVE_BF16 in decode
+    panels = w.reshape(4, 64, 2, gm.PANEL).transpose(0, 2, 1, 3)
+    rule = jax.jit(functools.partial(gm.grouped_matmul_panels_cpu, swiglu=swiglu))
+    prefill = rule.lower(jnp.ones((128, 64), jnp.bfloat16), panels, jnp.full((4,), 32, jnp.int32)).as_text()
+    decode = rule.lower(jnp.ones((16, 64), jnp.bfloat16), panels, jnp.full((4,), 4, jnp.int32)).as_text()
+    pairs = gm.NATIVE_SWIGLU_PANELS_BF16_PAIRS if swiglu else gm.NATIVE_PANELS_BF16_PAIRS
+    assert gm.NATIVE_PANELS_AMX in prefill and pairs not in prefill
+    assert gm.NATIVE_PANELS_AMX not in decode and pairs in decode
+
+
+@amx
+@pytest.mark.parametrize("swiglu", [False, True])
+def test_bf16_expert_panels_rule_on_amx_matches_the_reference(swiglu):
+    """The panel rule at prefill-sized rows on AMX (the f32 product rounded once to bf16, then SwiGLU's halves)
+    against the reference rule on the same panels: the same bf16 rounding points, so equal to ~1 bf16 ulp."""
+    rng = np.random.default_rng(43)
+    experts, k, nout = 4, 96, 256
+    gs = jnp.asarray([40, 0, 57, 31], jnp.int32)
+    rows = jnp.asarray(rng.standard_normal((136, k)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((experts, k, nout)) / 8, jnp.bfloat16)
+    panels = w.reshape(experts, k, nout // gm.PANEL, gm.PANEL).transpose(0, 2, 1, 3)
+    text = jax.jit(functools.partial(gm.grouped_matmul_panels_cpu, swiglu=swiglu)).lower(rows, panels, gs).as_text()
+    assert gm.NATIVE_PANELS_AMX in text
+    got = np.asarray(gm.grouped_matmul_panels_cpu(rows, panels, gs, swiglu), np.float64)[:128]
+    want = np.asarray(gm.grouped_matmul_panels_reference(rows, panels, gs, swiglu), np.float64)[:128]
+    assert np.abs(want).max() > 0.5
+    assert np.abs(got - want).max() <= 2 ** -7 * np.abs(want).max()
+    assert np.mean(got != want) < 0.05  # sum order only, if anything
 
 
 def test_kv_cache_write_and_gather_match_jnp_on_edge_indices():

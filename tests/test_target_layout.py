@@ -185,7 +185,7 @@ def test_panel_weights_stream_in_slabs_of_panels(ckpt):
 def _experts_graph():
     """Routed experts: f32 [gate | up] [4, 32, 128] (two panels, SwiGLU), an f32 down projection with Nout = 32 (not a
     multiple of 64: kept), FP8 experts dequantized to f32 with one scale per 64 columns (FP8 panels) and with one per
-    32 (a panel would need two scales: kept), and bf16 experts (kept where the CPU has AMX)."""
+    32 (a panel would need two scales: kept), and bf16 experts (panels, with or without AMX)."""
     from qcompile.ir.ops.moe import GroupedMatmul, GroupedMatmulSwiglu
     from qcompile.ir.ops.quant import Dequantize
 
@@ -227,8 +227,10 @@ graph @step {
   %17 = grouped_matmul(%0, %16, %1) : f32[N,64]
   %18 = input "rows16" : bf16[N,32]
   %19 = param "w16" : bf16[4,32,64]
-  %20 = grouped_matmul(%18, %19, %1) : bf16[N,64]
-  return down=%7, fp8=%13, fp8_fine=%17, bf16=%20
+  %20 = reshape(%19) {shape=[4, 32, 1, 64]} : bf16[4,32,1,64]
+  %21 = transpose(%20) {perm=[0, 2, 1, 3]} : bf16[4,1,32,64]
+  %22 = grouped_matmul_panels(%18, %21, %1) {swiglu=false} : bf16[N,64]
+  return down=%7, fp8=%13, fp8_fine=%17, bf16=%22
 }
 """
 #: the FP8 panels once the layout ops sink into the values and the scale (ir/fp8_layout.py): still FP8 in the step
@@ -242,15 +244,16 @@ GOLDEN_FP8_PANELS_SUNK = """\
 """
 
 
-def test_golden_cpu_layout_of_the_experts_and_what_it_keeps(monkeypatch):
-    """f32 experts whose Nout is a multiple of 64 read [E, Nout/64, K, 64] panels, and so do FP8 experts with one
-    scale across each panel's columns (the FP8 panel kernel reads them as FP8); Nout = 32, FP8 experts with finer
-    scales (read as FP8 by the [E, K, Nout] kernel) and — on a CPU with AMX tiles, whose kernel reads [E, K, Nout] —
-    bf16 experts keep [E, K, Nout]."""
+@pytest.mark.parametrize("amx", [True, False])
+def test_golden_cpu_layout_of_the_experts_and_what_it_keeps(monkeypatch, amx):
+    """f32 and bf16 experts whose Nout is a multiple of 64 read [E, Nout/64, K, 64] panels — bf16 ones on a CPU with
+    AMX tiles too (its AMX kernel reads panels at prefill) —, and so do FP8 experts with one scale across each
+    panel's columns (the FP8 panel kernel reads them as FP8); Nout = 32 and FP8 experts with finer scales (read as FP8
+    by the [E, K, Nout] kernel) keep [E, K, Nout]."""
     from qcompile.ir.fp8_layout import sink_dequantize
     from qcompile.kernels import native
 
-    monkeypatch.setattr(native, "amx_bf16", lambda: True)
+    monkeypatch.setattr(native, "amx_bf16", lambda: amx)
     after = in_target_layout(_experts_graph(), "cpu")
     verify(after)
     assert print_graph(after) == GOLDEN_EXPERTS
@@ -259,9 +262,11 @@ def test_golden_cpu_layout_of_the_experts_and_what_it_keeps(monkeypatch):
     assert GOLDEN_FP8_PANELS_SUNK in print_graph(sunk)
 
 
-def test_bf16_experts_go_into_panels_without_amx(monkeypatch):
-    """Without AMX tiles, bf16 experts read bf16 panels (the kernel widens them in registers), and the panel rule
-    matches the reference on them (SwiGLU's halves after the bf16 rounding, as the reference takes them)."""
+@pytest.mark.parametrize("amx", [False, True])
+def test_bf16_experts_go_into_panels(monkeypatch, amx):
+    """With or without AMX tiles, bf16 experts read bf16 panels (decode-sized rows: on VDPBF16PS pairs, or widened in
+    registers), and the panel rule matches the reference on them (SwiGLU's halves after the bf16 rounding, as the
+    reference takes them)."""
     import jax
     import jax.numpy as jnp
 
@@ -269,7 +274,7 @@ def test_bf16_experts_go_into_panels_without_amx(monkeypatch):
     from qcompile.ir.ops.moe import GroupedMatmulPanels, GroupedMatmulSwiglu
     from qcompile.kernels import native
 
-    monkeypatch.setattr(native, "amx_bf16", lambda: False)
+    monkeypatch.setattr(native, "amx_bf16", lambda: amx)  # 24 rows over 4 experts: below AMX's rows either way
     b = Builder()
     rows = b.input("rows", TensorType("bf16", (24, 32)))
     sizes = b.input("group_sizes", TensorType("i32", (4,)))

@@ -15,8 +15,8 @@ candidate it runs with the target's rules, so the layout and its kernel are chec
              %5 = transpose(%4) {perm=[0, 2, 1]} : f32[16,1024,64]       (params-only: folded at compile time)
              %9 = linear_panels(%8, %5) {swiglu=false} : f32[T,1024]
 
-The routed experts likewise (grouped_matmul and grouped_matmul_swiglu in f32 — or bf16 where the CPU has no AMX
-tiles, whose kernel reads [E, K, Nout] — over weights w[E, K, Nout] known at compile time, Nout a multiple of 64):
+The routed experts likewise (grouped_matmul and grouped_matmul_swiglu in f32 or bf16 — on a CPU with AMX tiles too,
+whose kernel reads panels at prefill — over weights w[E, K, Nout] known at compile time, Nout a multiple of 64):
 w[E, K, Nout] -> [E, Nout/64, K, 64], read by grouped_matmul_panels. FP8 experts (f32 or bf16) too, when one scale
 spans each panel's 64 columns (Qwen's 128 x 128 blocks: a block is two panels): the reshape and transpose sink into
 the FP8 values and the scale (ir/fp8_layout.py), so the prepared panels stay FP8 and the kernel dequantizes each panel

@@ -324,7 +324,8 @@ NATIVE_BF16 = "qcompile_grouped_matmul_bf16"
 NATIVE_AMX = "qcompile_grouped_matmul_amx"
 #: from 8 rows per expert on average AMX is the faster (measured on the bench preset's expert weights of one step, from
 #: memory, 2 threads: at 8 rows/expert 51 ms AMX vs 61 FMA, at 6 equal, at 4 49 vs 41 — the AMX kernel streams the
-#: weights once whatever the rows, the FMA kernel turns compute-bound; docs/cpu_rules.md, "AMX thresholds")
+#: weights once whatever the rows, the FMA kernel turns compute-bound; docs/cpu_rules.md, "AMX thresholds"; on expert
+#: panels against the VDPBF16PS pair kernel: 46 vs 46 ms at 8, 46 vs 63 at 12, 26 vs 19 at 1, "AMX on expert panels")
 AMX_MIN_ROWS_PER_EXPERT = 8
 
 
@@ -417,7 +418,7 @@ def grouped_matmul_swiglu_cpu(rows, w, group_sizes):
     return swiglu_halves(grouped_matmul_jnp(rows, w, group_sizes))
 
 
-# -- experts in column panels (the cpu target's layout of f32 experts, and of bf16 ones without AMX) ------------------
+# -- experts in column panels (the cpu target's layout of f32, bf16 and FP8 experts) ----------------------------------
 
 PANEL = 64  # columns per panel: the native kernel's register tile width
 NATIVE_PANELS_F32 = "qcompile_grouped_matmul_panels_f32"
@@ -431,15 +432,27 @@ NATIVE_SWIGLU_PANELS_FP8 = "qcompile_grouped_matmul_swiglu_panels_fp8"
 
 def panel_kernel(dtype, swiglu: bool, fp8: bool = False) -> str | None:
     """The native entry point reading experts of `dtype` in panels (None: none for that dtype). bf16 experts go into
-    panels only where the CPU has no AMX tiles: the AMX kernel, faster from 8 rows per expert, reads [E, K, Nout].
-    `fp8`: FP8 experts dequantized to `dtype` (f32 or bf16) in the kernel."""
+    panels on every CPU: where it has AMX tiles, its AMX kernel reads panels too (prefill-sized rows; decode-sized
+    ones are faster on the panel kernels: docs/cpu_rules.md, "AMX on expert panels"). `fp8`: FP8 experts dequantized
+    to `dtype` (f32 or bf16) in the kernel."""
     if fp8:  # bf16: SwiGLU in the kernel as a bf16 graph rounds it (a bf16 result)
         return (NATIVE_SWIGLU_PANELS_FP8 if swiglu else NATIVE_PANELS_FP8) if dtype in ("f32", "bf16") else None
     if dtype == "f32":
         return NATIVE_SWIGLU_PANELS_F32 if swiglu else NATIVE_PANELS_F32
-    if dtype == "bf16" and not native.amx_bf16():
+    if dtype == "bf16":
         return NATIVE_PANELS_BF16
     return None
+
+
+NATIVE_PANELS_AMX = "qcompile_grouped_matmul_panels_amx"  # bf16 rows and expert panels on AMX tiles
+
+
+def _amx_panels(rows, w) -> bool:
+    """bf16 rows and expert panels [E, P, K, 64] on a CPU with AMX tiles, K % 32 == 0, at prefill-sized row counts
+    (from AMX_MIN_ROWS_PER_EXPERT per expert on average, as `_amx`)."""
+    return (rows.dtype == w.dtype == jnp.bfloat16 and w.ndim == 4 and w.shape[3] == PANEL
+            and rows.shape[1] % 32 == 0 and rows.shape[0] >= AMX_MIN_ROWS_PER_EXPERT * w.shape[0]
+            and native.amx_bf16() and native.ensure(NATIVE_PANELS_AMX))
 
 
 def from_panels(w):
@@ -497,6 +510,10 @@ def grouped_matmul_panels_native(rows, w, group_sizes, swiglu: bool):
     width = nout // 2 if fused else nout
     if n == 0:
         return jnp.zeros((0, nout // 2 if swiglu else nout), rows.dtype)
+    if _amx_panels(rows, w):  # prefill-sized: the f32 product rounded once, then SwiGLU's halves as the reference
+        call = jax.ffi.ffi_call(NATIVE_PANELS_AMX, jax.ShapeDtypeStruct((n, nout), jnp.float32))
+        y = call(rows, w, group_sizes.astype(jnp.int32)).astype(rows.dtype)
+        return swiglu_halves(y) if swiglu else y
     if w.dtype == jnp.bfloat16:
         entry = NATIVE_SWIGLU_PANELS_BF16_PAIRS if swiglu else NATIVE_PANELS_BF16_PAIRS
         if (rows.dtype == jnp.bfloat16 and rows.shape[1] % 2 == 0 and native.avx512_bf16()

@@ -63,6 +63,7 @@ KERNELS = {
     "qcompile_linear_panels_amx": ("amx_bf16.cc", "QcompileLinearPanelsAmx"),
     "qcompile_linear_panels_bf16_pairs": ("linear_panels_f32.cc", "QcompileLinearPanelsBf16Pairs"),
     "qcompile_grouped_matmul_amx": ("amx_bf16.cc", "QcompileGroupedMatmulAmx"),
+    "qcompile_grouped_matmul_panels_amx": ("amx_bf16.cc", "QcompileGroupedMatmulPanelsAmx"),
     "qcompile_gdn_recurrent_f32": ("gdn_recurrent_f32.cc", "QcompileGdnRecurrentF32"),
     "qcompile_gdn_recurrent_bf16_state": ("gdn_recurrent_f32.cc", "QcompileGdnRecurrentBf16State"),
     "qcompile_gdn_fused_f32": ("gdn_fused_f32.cc", "QcompileGdnFusedF32"),

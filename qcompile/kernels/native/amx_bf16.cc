@@ -5,7 +5,7 @@
 //
 // Linear: out[T, P*64] f32 = x[T, K] bf16 · w, with w[P, K, 64] bf16 the [N, K] weight in column panels (the layout
 // of linear_panels_f32.cc). Grouped matmul: out[N, Nout] f32 = rows[N, K] bf16 · w[e(r)] with w[E, K, Nout] bf16,
-// rows sorted by expert in groups of group_sizes[E] (grouped_matmul_f32.cc's contract: rows past the groups come back
+// or w[E, Nout/64, K, 64] in expert panels (the cpu target's layout, ir/target_layout.py), rows sorted by expert in groups of group_sizes[E] (grouped_matmul_f32.cc's contract: rows past the groups come back
 // 0). (No SwiGLU epilogue: on bf16 the rule rounds the product and takes the halves as the reference does —
 // kernels/grouped_matmul.py says why.)
 // TDPBF16PS multiplies bf16 pairs exactly and accumulates in f32 (the reassociating class of a dot; like every AMX
@@ -253,18 +253,24 @@ struct GroupJob {
   const uint16_t* w;
   float* out;
   int64_t k, nout;
+  bool panels;  // w[E, Nout/64, K, 64] (each strip one contiguous panel), else w[E, K, Nout]
   std::vector<GroupItem> items;
 };
 
-// rows[item] · w[e] into y ([rows, nout], ldy floats per row), one 64-column strip at a time (as run_item's panels).
+// rows[item] · w[e] into y ([rows, nout], ldy floats per row), one 64-column strip at a time (as run_item's panels):
+// a panel of the panel layout, or 128-byte runs one weight row apart in [E, K, Nout].
 void group_product(const GroupJob& j, const GroupItem& it, float* y, int64_t ldy) {
   thread_local std::vector<uint16_t> vnni, padded;
   const int64_t strip = j.k * kPanel, strips = j.nout / kPanel;
   vnni.resize(static_cast<size_t>(strip));
   const uint16_t* we = j.w + it.expert * j.k * j.nout;
   const Rows rows = rows_of(j.x, j.k, it.row0, it.row0 + it.rows, padded);
-  for (int64_t s = 0; s < strips; ++s)
-    rows_times_panel(rows, we + s * kPanel, j.nout, vnni.data(), y + s * kPanel, ldy);
+  for (int64_t s = 0; s < strips; ++s) {
+    if (j.panels)
+      rows_times_panel(rows, we + s * strip, kPanel, vnni.data(), y + s * kPanel, ldy);
+    else
+      rows_times_panel(rows, we + s * kPanel, j.nout, vnni.data(), y + s * kPanel, ldy);
+  }
 }
 
 void run_group_item(const GroupJob& j, const GroupItem& it) {
@@ -275,15 +281,20 @@ void run_group_item(const GroupJob& j, const GroupItem& it) {
   _tile_release();
 }
 
-ffi::Error GroupedMatmulAmx(ffi::ThreadPool pool, ffi::AnyBuffer rows, ffi::AnyBuffer w,
-                            ffi::Buffer<ffi::S32> group_sizes, ffi::ResultBuffer<ffi::F32> out) {
+// The grouped product over w in either layout (`panels`: w[E, P, K, 64], else w[E, K, Nout]), shapes checked.
+ffi::Error grouped_amx(ffi::ThreadPool pool, ffi::AnyBuffer rows, ffi::AnyBuffer w, ffi::Buffer<ffi::S32> group_sizes,
+                       ffi::ResultBuffer<ffi::F32> out, bool panels) {
   const auto rd = rows.dimensions();
   const auto wd = w.dimensions();
   const auto gd = group_sizes.dimensions();
+  const bool shaped = panels ? wd.size() == 4 && wd[2] == rd[1] && wd[3] == kPanel
+                             : wd.size() == 3 && wd[1] == rd[1] && wd[2] % kPanel == 0;
   if (rows.element_type() != ffi::DataType::BF16 || w.element_type() != ffi::DataType::BF16 || rd.size() != 2 ||
-      wd.size() != 3 || gd.size() != 1 || wd[1] != rd[1] || gd[0] != wd[0] || rd[1] % 32 != 0 || wd[2] % kPanel)
-    return ffi::Error::InvalidArgument("qcompile grouped matmul amx: expected rows[N,K] bf16, w[E,K,Nout] bf16, "
-                                       "group_sizes[E], K % 32 == 0, Nout % 64 == 0");
+      !shaped || gd.size() != 1 || gd[0] != wd[0] || rd[1] % 32 != 0)
+    return ffi::Error::InvalidArgument(panels ? "qcompile grouped matmul panels amx: expected rows[N,K] bf16, "
+                                                "w[E,P,K,64] bf16, group_sizes[E], K % 32 == 0"
+                                              : "qcompile grouped matmul amx: expected rows[N,K] bf16, w[E,K,Nout] "
+                                                "bf16, group_sizes[E], K % 32 == 0, Nout % 64 == 0");
   if (!tiles_permitted())
     return ffi::Error(ffi::ErrorCode::kUnavailable, "qcompile grouped matmul amx: the OS refused the AMX tile state");
   auto job = std::make_shared<GroupJob>();
@@ -291,7 +302,8 @@ ffi::Error GroupedMatmulAmx(ffi::ThreadPool pool, ffi::AnyBuffer rows, ffi::AnyB
   job->w = static_cast<const uint16_t*>(w.untyped_data());
   job->out = out->typed_data();
   job->k = rd[1];
-  job->nout = wd[2];
+  job->nout = panels ? wd[1] * kPanel : wd[2];
+  job->panels = panels;
   const int64_t n = rd[0], width = job->nout;
   if (job->k == 0) {
     std::memset(job->out, 0, sizeof(float) * n * width);
@@ -302,6 +314,16 @@ ffi::Error GroupedMatmulAmx(ffi::ThreadPool pool, ffi::AnyBuffer rows, ffi::AnyB
   qcompile_native::parallel_items(pool, static_cast<int64_t>(job->items.size()),
                                   [job](int64_t i) { run_group_item(*job, job->items[i]); });
   return ffi::Error::Success();
+}
+
+ffi::Error GroupedMatmulAmx(ffi::ThreadPool pool, ffi::AnyBuffer rows, ffi::AnyBuffer w,
+                            ffi::Buffer<ffi::S32> group_sizes, ffi::ResultBuffer<ffi::F32> out) {
+  return grouped_amx(pool, rows, w, group_sizes, out, false);
+}
+
+ffi::Error GroupedMatmulPanelsAmx(ffi::ThreadPool pool, ffi::AnyBuffer rows, ffi::AnyBuffer w,
+                                  ffi::Buffer<ffi::S32> group_sizes, ffi::ResultBuffer<ffi::F32> out) {
+  return grouped_amx(pool, rows, w, group_sizes, out, true);
 }
 
 #else  // built for a CPU without AMX: the rules never call these (kernels/native.py checks the CPU's flags)
@@ -315,12 +337,25 @@ ffi::Error GroupedMatmulAmx(ffi::ThreadPool, ffi::AnyBuffer, ffi::AnyBuffer, ffi
   return ffi::Error(ffi::ErrorCode::kUnavailable, "qcompile grouped matmul amx: built for a CPU without AMX");
 }
 
+ffi::Error GroupedMatmulPanelsAmx(ffi::ThreadPool, ffi::AnyBuffer, ffi::AnyBuffer, ffi::Buffer<ffi::S32>,
+                                  ffi::ResultBuffer<ffi::F32>) {
+  return ffi::Error(ffi::ErrorCode::kUnavailable, "qcompile grouped matmul panels amx: built for a CPU without AMX");
+}
+
 #endif
 
 }  // namespace
 
 // rows[N,K] bf16, w[E,K,Nout] bf16, group_sizes[E] -> out[N,Nout] f32
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QcompileGroupedMatmulAmx, GroupedMatmulAmx,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+// rows[N,K] bf16, w[E,Nout/64,K,64] bf16 (expert panels), group_sizes[E] -> out[N,Nout] f32
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QcompileGroupedMatmulPanelsAmx, GroupedMatmulPanelsAmx,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()
