@@ -686,19 +686,22 @@ amx = pytest.mark.skipif(not native.amx_bf16(), reason="this CPU has no AMX bf16
 
 
 @amx
-def test_amx_linear_matches_float64_oracle_with_row_tails():
+@pytest.mark.parametrize("pair_order", [False, True])
+def test_amx_linear_matches_float64_oracle_with_row_tails(pair_order):
     """bf16 activations and panels on AMX tiles, every row structure of the kernel — fewer than 16 rows (one
     zero-padded block that repacks as it goes), 16 (one streaming block of 16), 17-31 (16 + a padded tail), 32 and
     more (a streaming block of 32, then 32s, a 16, a padded tail) —, K = 32..1024 (multiples of 32), one to many
     panels, against float64 products of the same bf16 values. f32 accumulation over
     K ≤ 1024: ≤ 1e-5 relative before the result is rounded to bf16; a wrong VNNI pairing, a dropped k step or a tail
-    row written from the padding would be off by far more."""
+    row written from the padding would be off by far more. `pair_order`: the panels stored in pair order
+    (to_pair_order), which the tiles read in place — read as if in k order they would be off by O(1)."""
     from qcompile.kernels import linear as lin
 
     rng = np.random.default_rng(31)
-    call = jax.jit(lambda x, w: jax.ffi.ffi_call(lin.NATIVE_PANELS_AMX, jax.ShapeDtypeStruct(
-        (x.shape[0], w.shape[0] * w.shape[2]), jnp.float32))(x, w))
-    assert native.ensure(lin.NATIVE_PANELS_AMX)
+    name = lin.NATIVE_PAIR_PANELS_AMX if pair_order else lin.NATIVE_PANELS_AMX
+    call = jax.jit(lambda x, w: jax.ffi.ffi_call(name, jax.ShapeDtypeStruct(
+        (x.shape[0], w.shape[0] * w.shape[2]), jnp.float32))(x, gm.to_pair_order(w) if pair_order else w))
+    assert native.ensure(name)
     for rows, k, panels in ((1, 64, 2), (7, 1024, 3), (15, 32, 1), (16, 96, 2), (23, 64, 1), (32, 32, 1), (37, 64, 2),
                             (48, 128, 2), (61, 96, 1), (100, 96, 3), (64, 1024, 16), (256, 256, 5), (300, 128, 1)):
         x = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
@@ -716,12 +719,14 @@ def test_amx_linear_matches_float64_oracle_with_row_tails():
 
 
 @amx
-@pytest.mark.parametrize("panels", [False, True])
-def test_amx_grouped_matmul_matches_float64_oracle(panels):
-    """bf16 rows and experts on AMX tiles, the experts as [E, K, Nout] or in panels [E, Nout/64, K, 64] (the cpu
-    layout; each 64-column strip one contiguous panel): groups of 0-79 rows (every row structure of the linear's
-    test; long ones in items of 256), negative and overlong group sizes clipped, rows past the groups 0. Bound as the
-    linear's, on the f32 result; a panel read with the other layout's stride would be off by O(1)."""
+@pytest.mark.parametrize("layout", ["[E,K,Nout]", "panels", "pair panels"])
+def test_amx_grouped_matmul_matches_float64_oracle(layout):
+    """bf16 rows and experts on AMX tiles, the experts as [E, K, Nout], in panels [E, Nout/64, K, 64] (the cpu
+    layout; each 64-column strip one contiguous panel) or in panels in pair order (read in place, no repacking):
+    groups of 0-79 rows (every row structure of the linear's test; long ones in items of 256), negative and overlong
+    group sizes clipped, rows past the groups 0. Bound as the linear's, on the f32 result; a panel read with another
+    layout's stride or order would be off by O(1)."""
+    panels = layout != "[E,K,Nout]"
     rng = np.random.default_rng(41)
     for case in range(8):
         experts, k, nout = int(rng.integers(1, 6)), int(rng.choice([32, 64, 96])), int(rng.choice([64, 128, 192]))
@@ -729,7 +734,11 @@ def test_amx_grouped_matmul_matches_float64_oracle(panels):
         gs = rng.integers(-2, 80, experts).astype(np.int32)
         rows = jnp.asarray(rng.standard_normal((n, k)), jnp.bfloat16)
         w = jnp.asarray(rng.standard_normal((experts, k, nout)), jnp.bfloat16)
-        if panels:
+        if layout == "pair panels":
+            laid = gm.to_pair_order(w.reshape(experts, k, nout // gm.PANEL, gm.PANEL).transpose(0, 2, 1, 3))
+            assert gm._amx_pair_panels(rows, laid)
+            call = jax.ffi.ffi_call(gm.NATIVE_PAIR_PANELS_AMX, jax.ShapeDtypeStruct((n, nout), jnp.float32))
+        elif panels:
             laid = w.reshape(experts, k, nout // gm.PANEL, gm.PANEL).transpose(0, 2, 1, 3)
             assert gm._amx_panels(rows, laid)
             call = jax.ffi.ffi_call(gm.NATIVE_PANELS_AMX, jax.ShapeDtypeStruct((n, nout), jnp.float32))
@@ -765,6 +774,89 @@ def test_bf16_grouped_matmul_rules_pick_amx_at_prefill(swiglu):
     pairs = gm.NATIVE_SWIGLU_PANELS_BF16_PAIRS if swiglu else gm.NATIVE_PANELS_BF16_PAIRS
     assert gm.NATIVE_PANELS_AMX in prefill and pairs not in prefill
     assert gm.NATIVE_PANELS_AMX not in decode and pairs in decode
+
+
+def test_pair_order_round_trips_and_pairs_k():
+    """to_pair_order puts the weights of k = 2i and 2i + 1 of a column side by side (flat 128·i + 2·c + k mod 2 within
+    a panel); from_pair_order undoes it."""
+    w = jnp.arange(3 * 2 * 8 * gm.PANEL, dtype=jnp.float32).reshape(3, 2, 8, gm.PANEL)
+    paired = np.asarray(gm.to_pair_order(w)).reshape(3, 2, -1)
+    flat = np.asarray(w)
+    for k, c in ((0, 0), (1, 0), (2, 5), (7, 63)):
+        assert paired[1, 1, 128 * (k // 2) + 2 * c + k % 2] == flat[1, 1, k, c]
+    np.testing.assert_array_equal(np.asarray(gm.from_pair_order(gm.to_pair_order(w))), flat)
+
+
+@pytest.mark.skipif(not native.avx512_bf16(), reason="this CPU has no AVX512_BF16")
+@pytest.mark.parametrize("swiglu", [False, True])
+def test_pair_order_vdpbf16ps_kernels_equal_the_k_order_ones(swiglu):
+    """The VDPBF16PS kernels on panels in pair order (each 64-byte load already the instruction's operand) against the
+    same kernels on the same panels in k order (interleaved in registers): the same products summed in the same
+    order, so the same bits — dense (1-7 rows a tile, k blocks; many rows over all of K) and experts (groups of 0-9
+    rows), bf16 results, SwiGLU's halves in the kernel. A pair read in the wrong order would differ at once."""
+    from qcompile.kernels import linear as lin
+
+    rng = np.random.default_rng(53)
+    for rows, k, panels in ((1, 64, 2), (3, 1024, 4), (7, 130, 2), (30, 96, 2), (100, 256, 2)):
+        x = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
+        w = lin.pack_panels(jnp.asarray(rng.standard_normal((panels * lin.PANEL, k)) / 8, jnp.bfloat16))
+        width = panels * lin.PANEL // (2 if swiglu else 1)
+        want = jax.ffi.ffi_call(lin.NATIVE_PANELS_BF16_PAIRS, jax.ShapeDtypeStruct((rows, width), jnp.bfloat16))(
+            x, w, swiglu=int(swiglu))
+        assert native.ensure(lin.NATIVE_PAIR_PANELS_BF16)
+        got = jax.ffi.ffi_call(lin.NATIVE_PAIR_PANELS_BF16, jax.ShapeDtypeStruct((rows, width), jnp.bfloat16))(
+            x, gm.to_pair_order(w), swiglu=int(swiglu))
+        np.testing.assert_array_equal(np.asarray(got).view(np.uint16), np.asarray(want).view(np.uint16))
+    experts, k = 5, 96
+    gs = jnp.asarray([3, 0, 9, 1, 6], jnp.int32)
+    rows = jnp.asarray(rng.standard_normal((24, k)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((experts, k, 256)) / 8, jnp.bfloat16).reshape(experts, k, 4, gm.PANEL)
+    w = w.transpose(0, 2, 1, 3)
+    k_order = gm.NATIVE_SWIGLU_PANELS_BF16_PAIRS if swiglu else gm.NATIVE_PANELS_BF16_PAIRS
+    paired = gm.NATIVE_SWIGLU_PAIR_PANELS_BF16 if swiglu else gm.NATIVE_PAIR_PANELS_BF16
+    assert native.ensure(k_order) and native.ensure(paired)
+    shape = jax.ShapeDtypeStruct((24, 128 if swiglu else 256), jnp.bfloat16)
+    want = np.asarray(jax.ffi.ffi_call(k_order, shape)(rows, w, gs))[:19]
+    got = np.asarray(jax.ffi.ffi_call(paired, shape)(rows, gm.to_pair_order(w), gs))[:19]
+    np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
+
+
+@amx
+@pytest.mark.parametrize("swiglu", [False, True])
+def test_pair_order_rules_read_in_place_on_amx(swiglu):
+    """Panels in pair order are read where they lie: VDPBF16PS for a few rows, AMX tiles from AMX_PAIR_MIN_ROWS rows
+    (dense) or AMX_PAIR_MIN_ROWS_PER_EXPERT rows per expert — nothing is repacked —, and the rule's bf16 result
+    equals the k-order reference on the same weights to the bf16 rounding (SwiGLU's halves after it, as the
+    reference takes them)."""
+    from qcompile.kernels import linear as lin
+
+    rng = np.random.default_rng(47)
+    w = jnp.asarray(rng.standard_normal((256, 96)) / 8, jnp.bfloat16)
+    paired = gm.to_pair_order(lin.pack_panels(w))
+    rule = jax.jit(functools.partial(lin.linear_panels_cpu, swiglu=swiglu, pair_order=True))
+    for rows in (1, lin.AMX_PAIR_MIN_ROWS - 1, lin.AMX_PAIR_MIN_ROWS, 37):
+        x = jnp.asarray(rng.standard_normal((rows, 96)), jnp.bfloat16)
+        text = rule.lower(x, paired).as_text()
+        amx_ = rows >= lin.AMX_PAIR_MIN_ROWS
+        assert (lin.NATIVE_PAIR_PANELS_AMX in text) == amx_ and (lin.NATIVE_PAIR_PANELS_BF16 in text) != amx_
+        got = np.asarray(rule(x, paired), np.float64)
+        product = (np.asarray(x, np.float64) @ np.asarray(w, np.float64).T).astype(np.float32)
+        ref = np.asarray(jnp.asarray(product).astype(jnp.bfloat16))
+        ref = np.asarray(gm.swiglu_halves(jnp.asarray(ref)), np.float64) if swiglu else ref.astype(np.float64)
+        assert np.abs(got - ref).max() <= 2 ** -7 * np.abs(ref).max(), rows
+    experts = jnp.asarray(rng.standard_normal((4, 96, 128)) / 8, jnp.bfloat16)
+    panels = experts.reshape(4, 96, 2, gm.PANEL).transpose(0, 2, 1, 3)
+    gs = jnp.asarray([3, 0, 2, 1], jnp.int32)
+    grouped = jax.jit(functools.partial(gm.grouped_matmul_panels_cpu, swiglu=swiglu, pair_order=True))
+    for n in (8, 4 * gm.AMX_PAIR_MIN_ROWS_PER_EXPERT, 128):
+        rows = jnp.asarray(rng.standard_normal((n, 96)), jnp.bfloat16)
+        text = grouped.lower(rows, gm.to_pair_order(panels), gs).as_text()
+        amx_ = n >= 4 * gm.AMX_PAIR_MIN_ROWS_PER_EXPERT
+        pairs = gm.NATIVE_SWIGLU_PAIR_PANELS_BF16 if swiglu else gm.NATIVE_PAIR_PANELS_BF16
+        assert (gm.NATIVE_PAIR_PANELS_AMX in text) == amx_ and (pairs in text) != amx_
+        got = np.asarray(grouped(rows, gm.to_pair_order(panels), gs), np.float64)[:6]
+        want = np.asarray(gm.grouped_matmul_panels_reference(rows, panels, gs, swiglu), np.float64)[:6]
+        assert np.abs(got - want).max() <= 2 ** -7 * np.abs(want).max(), n
 
 
 @amx

@@ -23,15 +23,15 @@ graph @step {
   %1 = param "proj" : f32[128,32]
   %2 = reshape(%1) {shape=[2, 64, 32]} : f32[2,64,32]
   %3 = transpose(%2) {perm=[0, 2, 1]} : f32[2,32,64]
-  %4 = linear_panels(%0, %3) {swiglu=false} : f32[T,128]
+  %4 = linear_panels(%0, %3) {swiglu=false, pair_order=false} : f32[T,128]
   %5 = param "mlp" : f32[64,128]
   %6 = reshape(%5) {shape=[1, 64, 128]} : f32[1,64,128]
   %7 = transpose(%6) {perm=[0, 2, 1]} : f32[1,128,64]
-  %8 = linear_panels(%4, %7) {swiglu=true} : f32[T,32]
+  %8 = linear_panels(%4, %7) {swiglu=true, pair_order=false} : f32[T,32]
   %9 = param "odd" : f32[40,32]
   %10 = linear(%8, %9) : f32[T,40]
   %11 = input "x2" : f32[T,32]
-  %12 = linear_panels(%11, %3) {swiglu=false} : f32[T,128]
+  %12 = linear_panels(%11, %3) {swiglu=false, pair_order=false} : f32[T,128]
   return y=%8, odd=%10, shared=%12
 }
 """
@@ -212,7 +212,7 @@ graph @step {
   %2 = param "gate_up" : f32[4,32,128]
   %3 = reshape(%2) {shape=[4, 32, 2, 64]} : f32[4,32,2,64]
   %4 = transpose(%3) {perm=[0, 2, 1, 3]} : f32[4,2,32,64]
-  %5 = grouped_matmul_panels(%0, %4, %1) {swiglu=true} : f32[N,64]
+  %5 = grouped_matmul_panels(%0, %4, %1) {swiglu=true, pair_order=false} : f32[N,64]
   %6 = param "down" : f32[4,64,32]
   %7 = grouped_matmul(%5, %6, %1) : f32[N,32]
   %8 = param "fp8" : f8e4m3[4,32,64]
@@ -220,7 +220,7 @@ graph @step {
   %10 = dequantize(%8, %9) {block=[1, 32, 64], dtype="f32"} : f32[4,32,64]
   %11 = reshape(%10) {shape=[4, 32, 1, 64]} : f32[4,32,1,64]
   %12 = transpose(%11) {perm=[0, 2, 1, 3]} : f32[4,1,32,64]
-  %13 = grouped_matmul_panels(%0, %12, %1) {swiglu=false} : f32[N,64]
+  %13 = grouped_matmul_panels(%0, %12, %1) {swiglu=false, pair_order=false} : f32[N,64]
   %14 = param "fp8_fine" : f8e4m3[4,32,64]
   %15 = param "fp8_fine_scale" : f32[4,1,2]
   %16 = dequantize(%14, %15) {block=[1, 32, 32], dtype="f32"} : f32[4,32,64]
@@ -229,9 +229,23 @@ graph @step {
   %19 = param "w16" : bf16[4,32,64]
   %20 = reshape(%19) {shape=[4, 32, 1, 64]} : bf16[4,32,1,64]
   %21 = transpose(%20) {perm=[0, 2, 1, 3]} : bf16[4,1,32,64]
-  %22 = grouped_matmul_panels(%18, %21, %1) {swiglu=false} : bf16[N,64]
+  %22 = grouped_matmul_panels(%18, %21, %1) {swiglu=false, pair_order=false} : bf16[N,64]
   return down=%7, fp8=%13, fp8_fine=%17, bf16=%22
 }
+"""
+GOLDEN_BF16_EXPERTS = """\
+  %20 = reshape(%19) {shape=[4, 32, 1, 64]} : bf16[4,32,1,64]
+  %21 = transpose(%20) {perm=[0, 2, 1, 3]} : bf16[4,1,32,64]
+  %22 = grouped_matmul_panels(%18, %21, %1) {swiglu=false, pair_order=false} : bf16[N,64]
+  return down=%7, fp8=%13, fp8_fine=%17, bf16=%22
+"""
+#: with AMX tiles, the bf16 experts' panels in pair order (their kernel reads them in place)
+GOLDEN_BF16_EXPERTS_PAIRED = """\
+  %20 = reshape(%19) {shape=[4, 16, 2, 1, 64]} : bf16[4,16,2,1,64]
+  %21 = transpose(%20) {perm=[0, 3, 1, 4, 2]} : bf16[4,1,16,64,2]
+  %22 = reshape(%21) {shape=[4, 1, 32, 64]} : bf16[4,1,32,64]
+  %23 = grouped_matmul_panels(%18, %22, %1) {swiglu=false, pair_order=true} : bf16[N,64]
+  return down=%7, fp8=%13, fp8_fine=%17, bf16=%23
 """
 #: the FP8 panels once the layout ops sink into the values and the scale (ir/fp8_layout.py): still FP8 in the step
 GOLDEN_FP8_PANELS_SUNK = """\
@@ -240,8 +254,129 @@ GOLDEN_FP8_PANELS_SUNK = """\
   %12 = transpose(%10) {perm=[0, 2, 1, 3]} : f8e4m3[4,1,32,64]
   %13 = transpose(%11) {perm=[0, 2, 1, 3]} : f32[4,1,1,1]
   %14 = dequantize(%12, %13) {block=[1, 1, 32, 64], dtype="f32"} : f32[4,1,32,64]
-  %15 = grouped_matmul_panels(%0, %14, %1) {swiglu=false} : f32[N,64]
+  %15 = grouped_matmul_panels(%0, %14, %1) {swiglu=false, pair_order=false} : f32[N,64]
 """
+
+
+GOLDEN_PAIR_ORDER = """\
+graph @step {
+  %0 = input "x" : bf16[T,32]
+  %1 = param "w" : bf16[128,32]
+  %2 = reshape(%1) {shape=[2, 64, 32]} : bf16[2,64,32]
+  %3 = reshape(%2) {shape=[2, 64, 16, 2]} : bf16[2,64,16,2]
+  %4 = transpose(%3) {perm=[0, 2, 1, 3]} : bf16[2,16,64,2]
+  %5 = reshape(%4) {shape=[2, 32, 64]} : bf16[2,32,64]
+  %6 = linear_panels(%0, %5) {swiglu=false, pair_order=true} : bf16[T,128]
+  %7 = input "x48" : bf16[T,48]
+  %8 = param "w48" : bf16[64,48]
+  %9 = reshape(%8) {shape=[1, 64, 48]} : bf16[1,64,48]
+  %10 = transpose(%9) {perm=[0, 2, 1]} : bf16[1,48,64]
+  %11 = linear_panels(%7, %10) {swiglu=false, pair_order=false} : bf16[T,64]
+  %12 = input "rows" : bf16[N,32]
+  %13 = input "group_sizes" : i32[4]
+  %14 = param "gu" : bf16[4,32,128]
+  %15 = reshape(%14) {shape=[4, 16, 2, 2, 64]} : bf16[4,16,2,2,64]
+  %16 = transpose(%15) {perm=[0, 3, 1, 4, 2]} : bf16[4,2,16,64,2]
+  %17 = reshape(%16) {shape=[4, 2, 32, 64]} : bf16[4,2,32,64]
+  %18 = grouped_matmul_panels(%12, %17, %13) {swiglu=true, pair_order=true} : bf16[N,64]
+  return y=%6, k48=%11, h=%18
+}
+"""
+
+
+def _bf16_products():
+    from qcompile.ir.ops.moe import GroupedMatmulSwiglu
+
+    b = Builder()
+    x = b.input("x", TensorType("bf16", ("T", 32)))
+    b.output("y", b.add(Linear(), x, b.param("w", TensorType("bf16", (128, 32)))))
+    b.output("k48", b.add(Linear(), b.input("x48", TensorType("bf16", ("T", 48))),
+                          b.param("w48", TensorType("bf16", (64, 48)))))
+    rows = b.input("rows", TensorType("bf16", ("N", 32)))
+    sizes = b.input("group_sizes", TensorType("i32", (4,)))
+    b.output("h", b.add(GroupedMatmulSwiglu(), rows, b.param("gu", TensorType("bf16", (4, 32, 128))), sizes))
+    return b.build()
+
+
+def test_golden_bf16_panels_in_pair_order_on_amx(monkeypatch):
+    """On a CPU with AMX tiles a bf16 product whose K is a multiple of 32 gets its panels in pair order — the weights
+    of k = 2i and 2i + 1 side by side, as the tiles read them, so no kernel repacks them — (a reshape splitting K into
+    pairs, a transpose, a reshape back to [.., K, 64]: all folded into the prepared weight); K = 48 keeps k order.
+    Without AMX, k order everywhere."""
+    from qcompile.kernels import native
+
+    monkeypatch.setattr(native, "amx_bf16", lambda: True)
+    after = in_target_layout(_bf16_products(), "cpu")
+    verify(after)
+    assert print_graph(after) == GOLDEN_PAIR_ORDER
+    monkeypatch.setattr(native, "amx_bf16", lambda: False)
+    plain = print_graph(in_target_layout(_bf16_products(), "cpu"))
+    assert "pair_order=true" not in plain and plain.count("pair_order=false") == 3
+
+
+@pytest.mark.skipif(not __import__("qcompile.kernels.native", fromlist=["amx_bf16"]).amx_bf16(),
+                    reason="this CPU has no AMX bf16 tiles")
+def test_pair_order_bf16_build_matches_the_reference(tmp_path):
+    """A bf16 tiny checkpoint (moe_intermediate_size 64) on a CPU with AMX: its dense and expert panels in pair
+    order, read in place by the AMX kernels at the checker's 16-token batches, the folded cpu build's outputs against
+    the unoptimized graph's reference rules within the bf16 class (the bound the pass checks use)."""
+    import copy
+
+    from qcompile.frontend.tiny import full_config, write_checkpoint
+    from qcompile.ir.ops.moe import GroupedMatmulPanels
+
+    config = copy.deepcopy(full_config("tiny", "qwen3_5_moe", "bf16"))
+    config["text_config"].update(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
+                                 moe_intermediate_size=64)
+    checkpoint = Checkpoint.open(write_checkpoint(tmp_path / "m", config, seed=5))
+    raw, checker, want, candidates = _unfused_and_fused(checkpoint)
+    for candidate, _ in candidates:
+        folded = fold_weight_preparation(candidate, "cpu")
+        verify(folded)
+        paired = [n for n in folded.find(LinearPanels) + folded.find(GroupedMatmulPanels) if n.op.pair_order]
+        assert len(paired) >= 4
+        got = _folded_outputs(checker, checkpoint, raw, folded)
+        for key in want:
+            scale = max(float(np.abs(want[key]).max()), 1e-30)
+            assert np.abs(np.asarray(got[key], np.float64) - want[key]).max() / scale < 0.1, key
+
+
+def test_pair_order_weights_stream_in_slabs(tmp_path, monkeypatch):
+    """The pair-order recipes stay row-wise — the dense one splits axis 0 into panels, then regroups each panel
+    (reshapes keeping the new axis 0, a transpose keeping it); the experts' keep axis 0 throughout —, so slabs read
+    only their own source rows and together equal the whole prepared weight, in pair order."""
+    import copy
+
+    import jax.numpy as jnp
+
+    from qcompile.frontend.tiny import full_config, write_checkpoint
+    from qcompile.ir.weights import weight_pieces
+    from qcompile.kernels import native
+    from qcompile.kernels.grouped_matmul import to_pair_order
+    from qcompile.kernels.linear import pack_panels
+
+    monkeypatch.setattr(native, "amx_bf16", lambda: True)
+    config = copy.deepcopy(full_config("tiny", "qwen3_5_moe", "bf16"))
+    config["text_config"].update(num_hidden_layers=1, layer_types=["full_attention"], moe_intermediate_size=64)
+    checkpoint = Checkpoint.open(write_checkpoint(tmp_path / "m", config, seed=2))
+    folded = fold_weight_preparation(build_graph(checkpoint), "cpu")
+    types = param_types_of(folded)
+    head = next(n for n in prepared_names(folded) if '"lm_head"' in folded.meta["prepared"][n])
+    assert "perm=[0, 2, 1, 3]" in folded.meta["prepared"][head]  # the pair-order recipe
+    panels, k, width = types[head].shape
+    pieces = list(weight_pieces(checkpoint, folded, head, piece_bytes=3 * k * width * 2))
+    assert len(pieces) == -(-panels // 3) > 1
+    want = to_pair_order(pack_panels(jnp.asarray(checkpoint.load("lm_head"), jnp.bfloat16)))
+    np.testing.assert_array_equal(np.concatenate(pieces).view(np.uint16), np.asarray(want).view(np.uint16))
+    experts = next(n for n in prepared_names(folded) if len(types[n].shape) == 4
+                   and "perm=[0, 3, 1, 4, 2]" in folded.meta["prepared"][n])
+    e, p, k, width = types[experts].shape
+    pieces = list(weight_pieces(checkpoint, folded, experts, piece_bytes=2 * p * k * width * 2))
+    assert len(pieces) == -(-e // 2) > 1
+    source = next(s for s in checkpoint.params if "experts" in s and s in folded.meta["prepared"][experts])
+    stacked = jnp.asarray(checkpoint.load(source), jnp.bfloat16).transpose(0, 2, 1)  # [E, K, Nout]
+    want = to_pair_order(stacked.reshape(e, k, p, width).transpose(0, 2, 1, 3))
+    np.testing.assert_array_equal(np.concatenate(pieces).view(np.uint16), np.asarray(want).view(np.uint16))
 
 
 @pytest.mark.parametrize("amx", [True, False])
@@ -256,7 +391,8 @@ def test_golden_cpu_layout_of_the_experts_and_what_it_keeps(monkeypatch, amx):
     monkeypatch.setattr(native, "amx_bf16", lambda: amx)
     after = in_target_layout(_experts_graph(), "cpu")
     verify(after)
-    assert print_graph(after) == GOLDEN_EXPERTS
+    assert print_graph(after) == (GOLDEN_EXPERTS.replace(GOLDEN_BF16_EXPERTS, GOLDEN_BF16_EXPERTS_PAIRED) if amx
+                                  else GOLDEN_EXPERTS)
     sunk = sink_dequantize(after)
     verify(sunk)
     assert GOLDEN_FP8_PANELS_SUNK in print_graph(sunk)

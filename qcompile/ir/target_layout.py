@@ -42,15 +42,26 @@ from qcompile.ir.ops.core import Input, Linear, LinearPanels, LinearSwiglu, Para
 from qcompile.ir.ops.quant import Dequantize
 from qcompile.ir.ops.moe import GroupedMatmul, GroupedMatmulPanels, GroupedMatmulSwiglu
 from qcompile.kernels import native
+from qcompile.kernels import grouped_matmul as gm, linear as lin
 from qcompile.kernels.grouped_matmul import panel_kernel
 from qcompile.kernels.linear import NATIVE_PANELS, NATIVE_PANELS_BF16, NATIVE_PANELS_FP8, PANEL
 
 #: targets whose rules want linear weights in column panels
 PANEL_TARGETS = ("cpu",)
+#: the kernels that read bf16 panels in pair order, all needed for that layout (AMX from a few rows, VDPBF16PS below)
+LINEAR_PAIR_KERNELS = (lin.NATIVE_PAIR_PANELS_AMX, lin.NATIVE_PAIR_PANELS_BF16)
+EXPERT_PAIR_KERNELS = (gm.NATIVE_PAIR_PANELS_AMX, gm.NATIVE_PAIR_PANELS_BF16, gm.NATIVE_SWIGLU_PAIR_PANELS_BF16)
 
 
-def _panel_weights(graph: Graph) -> dict[int, bool]:
-    """Ids of the linear / linear_swiglu nodes to rewrite -> whether the node is linear_swiglu."""
+def _pair_order(xt, wt, k, kernels: tuple[str, ...]) -> bool:
+    """Whether a bf16 product's panels go in pair order: bf16 activations and weights (not FP8), K a multiple of 32,
+    on a CPU with AMX tiles, whose kernel then reads them in place (VDPBF16PS's for a few rows, too)."""
+    return (xt.dtype == wt.dtype == "bf16" and isinstance(k, int) and k % 32 == 0 and native.amx_bf16()
+            and all(native.ensure(kernel) for kernel in kernels))
+
+
+def _panel_weights(graph: Graph) -> dict[int, tuple[bool, bool]]:
+    """Ids of the linear / linear_swiglu nodes to rewrite -> (whether the node is linear_swiglu, pair order)."""
     from qcompile.ir.weights import params_only
 
     pure = params_only(graph)
@@ -68,7 +79,8 @@ def _panel_weights(graph: Graph) -> dict[int, bool]:
             dtype_ok = xt.dtype == wt.dtype and _fp8_panels(graph, w, 0) and native.ensure(NATIVE_PANELS_FP8)
         if (known and dtype_ok and wt.sharding is None and xt.sharding is None
                 and isinstance(wt.shape[0], int) and wt.shape[0] % PANEL == 0 and isinstance(wt.shape[1], int)):
-            chosen[node.id] = isinstance(node.op, LinearSwiglu)
+            pairs = not _dequantized(graph, w) and _pair_order(xt, wt, wt.shape[1], LINEAR_PAIR_KERNELS)
+            chosen[node.id] = (isinstance(node.op, LinearSwiglu), pairs)
     return chosen
 
 
@@ -100,8 +112,9 @@ def _fp8_panels(graph: Graph, w: Value, out_axis: int) -> bool:
             and op.block[out_axis] % PANEL == 0)
 
 
-def _panel_experts(graph: Graph) -> dict[int, bool]:
-    """Ids of the grouped_matmul / grouped_matmul_swiglu nodes to rewrite -> whether the node is the swiglu one.
+def _panel_experts(graph: Graph) -> dict[int, tuple[bool, bool]]:
+    """Ids of the grouped_matmul / grouped_matmul_swiglu nodes to rewrite -> (whether the node is the swiglu one, pair
+    order).
     `graph` has its dequantizes sunk (ir/fp8_layout.py), so an FP8 expert weight is a dequantize's result."""
     from qcompile.ir.weights import params_only
 
@@ -115,15 +128,17 @@ def _panel_experts(graph: Graph) -> dict[int, bool]:
         rt, wt = graph.type_of(rows), graph.type_of(w)
         known = w.node in pure or isinstance(graph.node(w.node).op, Param)
         nout = wt.shape[2]
+        pairs = False
         if _dequantized(graph, w):  # FP8 stays FP8: only where the FP8 panel kernel reads it
             kernel = panel_kernel(wt.dtype, swiglu, fp8=True) if _fp8_panels(graph, w, 2) else None
             known = _known_fp8(graph, w, pure)
         else:
             kernel = panel_kernel(wt.dtype, swiglu)
+            pairs = _pair_order(rt, wt, wt.shape[1], EXPERT_PAIR_KERNELS)
         if (known and kernel is not None and rt.dtype == wt.dtype and wt.sharding is None and rt.sharding is None
                 and isinstance(nout, int) and nout % (2 * PANEL if swiglu else PANEL) == 0
                 and all(isinstance(d, int) for d in wt.shape) and native.ensure(kernel)):
-            chosen[node.id] = swiglu
+            chosen[node.id] = (swiglu, pairs)
     return chosen
 
 
@@ -138,7 +153,8 @@ def in_target_layout(graph: Graph, target: str | None) -> Graph:
         return original
     b = Builder()
     mapping: dict[Value, Value] = {}
-    panels: dict[Value, Value] = {}  # a weight -> its panels (a weight shared by two linears is packed once)
+    # a weight (and whether in pair order) -> its panels: a weight shared by two linears is packed once
+    panels: dict[tuple[Value, bool], Value] = {}
     for node in graph.nodes():
         op = node.op
         if isinstance(op, Input):
@@ -147,18 +163,29 @@ def in_target_layout(graph: Graph, target: str | None) -> Graph:
             new = b.param(op.name, op.type)
         elif node.id in chosen:
             x, w = node.operands
-            if w not in panels:
+            swiglu, pairs = chosen[node.id]
+            if (w, pairs) not in panels:
                 n, k = graph.type_of(w).shape
                 rows = b.add(Reshape((n // PANEL, PANEL, k)), mapping[w])
-                panels[w] = b.add(Transpose((0, 2, 1)), rows)
-            new = b.add(LinearPanels(swiglu=chosen[node.id]), mapping[x], panels[w])
+                if pairs:  # [P, 64, K/2, 2] -> [P, K/2, 64, 2], read as [P, K, 64]
+                    split = b.add(Transpose((0, 2, 1, 3)), b.add(Reshape((n // PANEL, PANEL, k // 2, 2)), rows))
+                    panels[w, pairs] = b.add(Reshape((n // PANEL, k, PANEL)), split)
+                else:
+                    panels[w, pairs] = b.add(Transpose((0, 2, 1)), rows)
+            new = b.add(LinearPanels(swiglu=swiglu, pair_order=pairs), mapping[x], panels[w, pairs])
         elif node.id in experts:
             rows, w, sizes = node.operands
-            if w not in panels:
+            swiglu, pairs = experts[node.id]
+            if (w, pairs) not in panels:
                 e, k, n = graph.type_of(w).shape
-                split = b.add(Reshape((e, k, n // PANEL, PANEL)), mapping[w])
-                panels[w] = b.add(Transpose((0, 2, 1, 3)), split)
-            new = b.add(GroupedMatmulPanels(swiglu=experts[node.id]), mapping[rows], panels[w], mapping[sizes])
+                if pairs:  # [E, K/2, 2, P, 64] -> [E, P, K/2, 64, 2], read as [E, P, K, 64]
+                    split = b.add(Reshape((e, k // 2, 2, n // PANEL, PANEL)), mapping[w])
+                    panels[w, pairs] = b.add(Reshape((e, n // PANEL, k, PANEL)), b.add(Transpose((0, 3, 1, 4, 2)), split))
+                else:
+                    split = b.add(Reshape((e, k, n // PANEL, PANEL)), mapping[w])
+                    panels[w, pairs] = b.add(Transpose((0, 2, 1, 3)), split)
+            new = b.add(GroupedMatmulPanels(swiglu=swiglu, pair_order=pairs), mapping[rows], panels[w, pairs],
+                        mapping[sizes])
         else:
             new = b.add_typed(op, [mapping[v] for v in node.operands], node.types)
         mapping.update(zip(node.results, new if isinstance(new, tuple) else (new,)))

@@ -183,8 +183,8 @@ def _row_factor(recipe: Graph, rows: int) -> int | None:
     """Source rows per row of the prepared weight when its recipe is row-wise — row slab [a, b) of the result is
     computed from rows [a·f, b·f) of every source — else None. f = 1 but for one reshape that splits axis 0 into
     [rows, f, ...] (a weight cut into column panels, ir/target_layout.py). A reshape that keeps axis 0 and regroups
-    the others (experts [E, K, Nout] cut into [E, K, Nout/64, 64] panels) is row-wise with f = 1, in a recipe without
-    a splitting one."""
+    the others (experts [E, K, Nout] cut into [E, K, Nout/64, 64] panels, panels regrouped into pair order) is
+    row-wise with f = 1 in a recipe without a splitting one, and after the split (axis 0 is then the result's)."""
     factor, keeps_rows = 1, False
     for node in recipe.nodes():
         op = node.op
@@ -194,8 +194,8 @@ def _row_factor(recipe: Graph, rows: int) -> int | None:
         elif type(op).__name__ == "Reshape":
             source = recipe.type_of(node.operands[0]).shape
             shape = node.types[0].shape
-            if shape and source and shape[0] == source[0] and factor == 1:
-                keeps_rows = True
+            if shape and source and shape[0] == source[0]:  # row-wise; before a split it must stay the only kind
+                keeps_rows = keeps_rows or factor == 1
                 continue
             if factor != 1 or keeps_rows or len(shape) != len(source) + 1 or shape[0] * shape[1] != source[0] \
                     or tuple(shape[2:]) != tuple(source[1:]):

@@ -455,15 +455,46 @@ def _amx_panels(rows, w) -> bool:
             and native.amx_bf16() and native.ensure(NATIVE_PANELS_AMX))
 
 
+NATIVE_PAIR_PANELS_AMX = "qcompile_grouped_matmul_pair_panels_amx"  # ... the panels in pair order, read in place
+NATIVE_PAIR_PANELS_BF16 = "qcompile_grouped_matmul_pair_panels_bf16"  # panels in pair order on VDPBF16PS
+NATIVE_SWIGLU_PAIR_PANELS_BF16 = "qcompile_grouped_matmul_swiglu_pair_panels_bf16"  # ... SwiGLU as bf16 rounds it
+#: expert panels in pair order go to AMX from this many rows per expert on average, below to VDPBF16PS (eight layers'
+#: routed experts of a bench-preset step: 4 rows 33.4 vs 35.1 ms, 6 rows 39.4 vs 37.3; docs/cpu_rules.md "Panels in
+#: pair order")
+AMX_PAIR_MIN_ROWS_PER_EXPERT = 5
+
+
+def _amx_pair_panels(rows, w) -> bool:
+    """bf16 rows and expert panels in pair order on a CPU with AMX tiles, K % 32 == 0, from
+    AMX_PAIR_MIN_ROWS_PER_EXPERT rows per expert on average."""
+    return (rows.dtype == w.dtype == jnp.bfloat16 and w.ndim == 4 and w.shape[3] == PANEL and rows.shape[1] % 32 == 0
+            and rows.shape[0] >= AMX_PAIR_MIN_ROWS_PER_EXPERT * w.shape[0]
+            and native.amx_bf16() and native.ensure(NATIVE_PAIR_PANELS_AMX))
+
+
+def to_pair_order(panels):
+    """Panels [..., K, 64] in pair order, the layout AMX's TDPBF16PS reads its B tile in: the weights of k = 2i and
+    2i + 1 for column c side by side, at flat position 128·i + 2·c + (k mod 2) of the panel (K even). Same shape."""
+    *lead, k, c = panels.shape
+    return jnp.swapaxes(panels.reshape(*lead, k // 2, 2, c), -1, -2).reshape(*lead, k, c)
+
+
+def from_pair_order(panels):
+    """The inverse of `to_pair_order`: panels [..., K, 64] stored in pair order back in k order."""
+    *lead, k, c = panels.shape
+    return jnp.swapaxes(panels.reshape(*lead, k // 2, c, 2), -1, -2).reshape(*lead, k, c)
+
+
 def from_panels(w):
     """[E, P, K, 64] panels back to [E, K, 64P]: v[e, k, 64p + c] = w[e, p, k, c]."""
     e, p, k, c = w.shape
     return jnp.transpose(w, (0, 2, 1, 3)).reshape(e, k, p * c)
 
 
-def grouped_matmul_panels_reference(rows, w, group_sizes, swiglu: bool):
-    """The panel op's reference rule: the weights back in [E, K, Nout], then grouped_matmul's (and SwiGLU's)."""
-    y = grouped_matmul_reference(rows, from_panels(w), group_sizes)
+def grouped_matmul_panels_reference(rows, w, group_sizes, swiglu: bool, pair_order: bool = False):
+    """The panel op's reference rule: the weights back in [E, K, Nout] (out of pair order first when `pair_order`), then
+    grouped_matmul's (and SwiGLU's)."""
+    y = grouped_matmul_reference(rows, from_panels(from_pair_order(w) if pair_order else w), group_sizes)
     return swiglu_halves(y) if swiglu else y
 
 
@@ -528,9 +559,25 @@ def grouped_matmul_panels_native(rows, w, group_sizes, swiglu: bool):
     return call(rows.astype(jnp.float32), w.astype(jnp.float32), group_sizes.astype(jnp.int32))
 
 
-def grouped_matmul_panels_cpu(rows, w, group_sizes, swiglu: bool):
+def grouped_matmul_panels_cpu(rows, w, group_sizes, swiglu: bool, pair_order: bool = False):
     """CPU rule of the panel op: the native kernel (the layout is chosen only where it can be built), else the
-    unpacked weights through the [E, K, Nout] CPU rule."""
+    unpacked weights through the [E, K, Nout] CPU rule. `pair_order`: bf16 panels in pair order (`to_pair_order`), read
+    where they lie — by AMX tiles from AMX_PAIR_MIN_ROWS_PER_EXPERT rows per expert, by VDPBF16PS below (its operand's
+    order: no interleaving) —, else put back in k order first (correct, slower)."""
+    if pair_order:
+        n, nout = rows.shape[0], w.shape[1] * w.shape[3]
+        bf16 = rows.dtype == w.dtype == jnp.bfloat16 and w.ndim == 4 and w.shape[3] == PANEL
+        if n == 0 and bf16:
+            return jnp.zeros((0, nout // 2 if swiglu else nout), rows.dtype)
+        if _amx_pair_panels(rows, w):
+            call = jax.ffi.ffi_call(NATIVE_PAIR_PANELS_AMX, jax.ShapeDtypeStruct((n, nout), jnp.float32))
+            y = call(rows, w, group_sizes.astype(jnp.int32)).astype(rows.dtype)
+            return swiglu_halves(y) if swiglu else y
+        entry = NATIVE_SWIGLU_PAIR_PANELS_BF16 if swiglu else NATIVE_PAIR_PANELS_BF16
+        if bf16 and rows.shape[1] % 2 == 0 and native.avx512_bf16() and native.ensure(entry):
+            call = jax.ffi.ffi_call(entry, jax.ShapeDtypeStruct((n, nout // 2 if swiglu else nout), jnp.bfloat16))
+            return call(rows, w, group_sizes.astype(jnp.int32))  # SwiGLU's halves as the reference's bf16 ops
+        w = from_pair_order(w)
     if fp8_panels_fit(rows, w) and native.ensure(panel_kernel("f32" if w.dtype == jnp.float32 else "bf16", swiglu,
                                                               fp8=True)):
         return grouped_matmul_panels_fp8_native(rows, w, group_sizes, swiglu)

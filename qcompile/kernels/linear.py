@@ -34,7 +34,7 @@ import jax.numpy as jnp
 
 from qcompile.kernels import native
 from qcompile.kernels.fp8 import QuantizedWeight
-from qcompile.kernels.grouped_matmul import swiglu_halves
+from qcompile.kernels.grouped_matmul import from_pair_order, swiglu_halves
 
 NATIVE_F32 = "qcompile_linear_f32"
 NATIVE_FP8 = "qcompile_linear_fp8"
@@ -43,6 +43,12 @@ NATIVE_PANELS = "qcompile_linear_panels_f32"
 NATIVE_PANELS_BF16 = "qcompile_linear_panels_bf16"  # bf16 panels, widened a k block at a time inside the kernel
 NATIVE_PANELS_BF16_PAIRS = "qcompile_linear_panels_bf16_pairs"  # bf16 activations and panels on VDPBF16PS (no AMX)
 NATIVE_PANELS_AMX = "qcompile_linear_panels_amx"  # bf16 activations and panels on AMX tiles (prefill-sized)
+NATIVE_PAIR_PANELS_AMX = "qcompile_linear_pair_panels_amx"  # ... panels in pair order, read in place
+NATIVE_PAIR_PANELS_BF16 = "qcompile_linear_pair_panels_bf16"  # panels in pair order on VDPBF16PS (a few rows)
+#: panels in pair order go to AMX from this many rows, below to VDPBF16PS (0.64 GB of the bench preset's dense products
+#: from memory: 1 row 26.1 vs 27.8 ms, 3 rows 28.0 vs 28.8, 4 rows 30.0 vs 28.4; docs/cpu_rules.md "Panels in pair
+#: order")
+AMX_PAIR_MIN_ROWS = 4
 NATIVE_PANELS_FP8 = "qcompile_linear_panels_fp8"  # FP8 panels dequantized a k block at a time inside the kernel
 AMX_MIN_ROWS = 6  # from here on a bf16 product goes to AMX where the CPU has it (docs/cpu_rules.md, "AMX thresholds")
 PANEL = 64  # output columns per panel of linear_panels' weight (the panel kernel's register tile width)
@@ -134,7 +140,7 @@ def linear_panels_fp8_native(x, wp: QuantizedWeight, swiglu: bool = False):
     return swiglu_halves(out) if swiglu and not fused else out
 
 
-def linear_panels_cpu(x, wp, swiglu: bool = False):
+def linear_panels_cpu(x, wp, swiglu: bool = False, pair_order: bool = False):
     """The CPU rule of linear_panels: the native panel kernel at any row count — f32 panels, or a bf16 checkpoint's
     bf16 panels widened inside it (bf16 activations widened before, the f32 result rounded once after, as the
     reference's f32 accumulation is; from AMX_MIN_ROWS bf16 rows on, AMX tiles where the CPU has them; bf16
@@ -142,7 +148,27 @@ def linear_panels_cpu(x, wp, swiglu: bool = False):
     block at a time, for f32 or bf16 activations) —, XLA's dot otherwise. `swiglu` (linear_panels' attr): the panels
     are [gate ; up] and the result SwiGLU's halves — in the kernel where it computes them as the reference does (f32
     panels; bf16 pairs and FP8, whose bf16 result rounds every op as the reference's bf16 ops) and the halves are
-    whole panels (an even P), else after it."""
+    whole panels (an even P), else after it. `pair_order`: bf16 panels in pair order (grouped_matmul.to_pair_order), read
+    in place — by AMX tiles from AMX_PAIR_MIN_ROWS rows, by VDPBF16PS below (no interleaving: the order is its
+    operand's) —, else put back in k order first (correct, slower)."""
+    if pair_order:  # bf16 panels in pair order: read in place by AMX tiles, or by VDPBF16PS for a few rows
+        p, k, c = wp.shape
+        rows = math.prod(x.shape[:-1])
+        bf16 = x.dtype == wp.dtype == jnp.bfloat16 and c == PANEL
+        if rows == 0 and bf16:
+            return jnp.zeros((*x.shape[:-1], p * c // (2 if swiglu else 1)), x.dtype)
+        if (bf16 and rows >= AMX_PAIR_MIN_ROWS and k % 32 == 0 and native.amx_bf16()
+                and native.ensure(NATIVE_PAIR_PANELS_AMX)):
+            call = jax.ffi.ffi_call(NATIVE_PAIR_PANELS_AMX, jax.ShapeDtypeStruct((rows, p * c), jnp.float32))
+            y = call(x.reshape(rows, k), wp).reshape(*x.shape[:-1], p * c).astype(x.dtype)
+            return swiglu_halves(y) if swiglu else y
+        if bf16 and k % 2 == 0 and native.avx512_bf16() and native.ensure(NATIVE_PAIR_PANELS_BF16):
+            fuse = swiglu and p % 2 == 0  # a bf16 result (SwiGLU's halves too) from the kernel
+            call = jax.ffi.ffi_call(NATIVE_PAIR_PANELS_BF16, jax.ShapeDtypeStruct(
+                (rows, p * c // 2 if fuse else p * c), jnp.bfloat16))
+            y = call(x.reshape(rows, k), wp, swiglu=int(fuse)).reshape(*x.shape[:-1], -1)
+            return swiglu_halves(y) if swiglu and not fuse else y
+        wp = from_pair_order(wp)
     if isinstance(wp, QuantizedWeight):
         if fp8_panels_fit(x, wp) and native.ensure(NATIVE_PANELS_FP8):
             return linear_panels_fp8_native(x, wp, swiglu)

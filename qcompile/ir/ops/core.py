@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from qcompile.ir.cost import Cost, cost, nbytes
 from qcompile.ir.registry import expect, local_form, lowering, op, type_rule
 from qcompile.ir.types import Sharding, TensorType, num_elements_key, np_dtype
-from qcompile.kernels.grouped_matmul import swiglu_halves
+from qcompile.kernels.grouped_matmul import from_pair_order, swiglu_halves
 from qcompile.kernels.fp8 import QuantizedWeight, materialized
 from qcompile.kernels.linear import PANEL, greedy_cpu, linear_cpu, linear_panels_cpu
 from qcompile.kernels.pallas_linear import fits as linear_fits, linear_fp8_tpu
@@ -186,9 +186,11 @@ class LinearPanels:
     """linear_panels(x[...,K], w[P,K,64]) -> [...,64P] = linear(x, v) with v[64p + c, k] = w[p, k, c]: a linear whose
     weight is prepared in column panels of 64, each stored k-major — the layout the CPU's native kernel streams
     (ir/target_layout.py rewrites linear and linear_swiglu so for the cpu target). swiglu: linear_swiglu's halves
-    on top (-> [...,32P])."""
+    on top (-> [...,32P]). pair_order: each panel stored in pair order (kernels/grouped_matmul.py to_pair_order: the
+    weights of k = 2i and 2i + 1 side by side, as AMX tiles read them), same shape."""
 
     swiglu: bool = False
+    pair_order: bool = False
 
 
 @type_rule(LinearPanels)
@@ -196,12 +198,16 @@ def _linear_panels_type(op_, x, w):
     expect(w.rank == 3 and w.shape[2] == PANEL and x.shape[-1] == w.shape[1],
            f"linear_panels weight {w} is not [P,K,{PANEL}] panels for input {x}")
     expect(x.dtype == w.dtype, f"linear_panels dtypes differ: {x.dtype} vs {w.dtype}")
+    expect(not op_.pair_order or (isinstance(w.shape[1], int) and w.shape[1] % 2 == 0),
+           f"linear_panels in pair order needs an even K: {w}")
     n = w.shape[0] * PANEL
     return TensorType(x.dtype, (*x.shape[:-1], n // 2 if op_.swiglu else n))
 
 
 @lowering(LinearPanels)
 def _linear_panels(op_, x, w):
+    if op_.pair_order:
+        w = from_pair_order(w)
     p, k, c = w.shape
     y = jnp.einsum("...k,pkc->...pc", x, w, precision=HIGHEST, preferred_element_type=jnp.float32)
     y = y.reshape(*x.shape[:-1], p * c).astype(x.dtype)
@@ -212,7 +218,7 @@ def _linear_panels(op_, x, w):
 def _linear_panels_cpu(op_, x, w):
     """The native panel kernel at every row count (kernels/linear.py; FP8 panels as they are), with linear_swiglu's
     halves if asked (in the kernel's epilogue where it computes them as the reference does)."""
-    return linear_panels_cpu(x, w, swiglu=op_.swiglu)
+    return linear_panels_cpu(x, w, swiglu=op_.swiglu, pair_order=op_.pair_order)
 
 
 @op("reshape")

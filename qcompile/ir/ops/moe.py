@@ -169,9 +169,11 @@ class GroupedMatmulPanels:
     """grouped_matmul_panels(rows[N,K], w[E,P,K,64], group_sizes[E]) -> [N,64P] = grouped_matmul(rows, v,
     group_sizes) with v[e, k, 64p + c] = w[e, p, k, c]: expert weights prepared in column panels of 64, each stored
     k-major — the layout the CPU's native kernel streams (ir/target_layout.py rewrites grouped_matmul and
-    grouped_matmul_swiglu so for the cpu target). swiglu: grouped_matmul_swiglu's halves on top (-> [N,32P])."""
+    grouped_matmul_swiglu so for the cpu target). swiglu: grouped_matmul_swiglu's halves on top (-> [N,32P]).
+    pair_order: each panel stored in pair order (kernels/grouped_matmul.py to_pair_order), same shape."""
 
     swiglu: bool = False
+    pair_order: bool = False
 
 
 @type_rule(GroupedMatmulPanels)
@@ -180,20 +182,22 @@ def _gmm_panels_type(op_, rows, w, group_sizes):
            f"grouped_matmul_panels weight {w} is not [E,P,K,{PANEL}] panels for rows {rows}")
     expect(group_sizes.shape == (w.shape[0],), f"group_sizes {group_sizes} do not match {w.shape[0]} experts")
     expect(rows.dtype == w.dtype, f"grouped_matmul_panels dtypes differ: {rows.dtype} vs {w.dtype}")
+    expect(not op_.pair_order or (isinstance(w.shape[2], int) and w.shape[2] % 2 == 0),
+           f"grouped_matmul_panels in pair order needs an even K: {w}")
     n = w.shape[1] * PANEL
     return rows.with_shape((rows.shape[0], n // 2 if op_.swiglu else n))
 
 
 @lowering(GroupedMatmulPanels)
 def _gmm_panels(op_, rows, w, group_sizes):
-    return grouped_matmul_panels_reference(rows, w, group_sizes, op_.swiglu)
+    return grouped_matmul_panels_reference(rows, w, group_sizes, op_.swiglu, op_.pair_order)
 
 
 @lowering(GroupedMatmulPanels, "cpu", takes_quantized=True)
 def _gmm_panels_cpu(op_, rows, w, group_sizes):
     """The native panel kernel (with the SwiGLU epilogue when asked; FP8 panels dequantized in registers),
     kernels/grouped_matmul.py."""
-    return grouped_matmul_panels_cpu(rows, w, group_sizes, op_.swiglu)
+    return grouped_matmul_panels_cpu(rows, w, group_sizes, op_.swiglu, op_.pair_order)
 
 
 @op("moe_combine")

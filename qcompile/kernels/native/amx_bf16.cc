@@ -52,6 +52,7 @@ constexpr int64_t kRows = 32;           // rows per block: two 16-row tiles
 constexpr int64_t kRowChunk = 8 * kRows;  // rows per work item
 constexpr int64_t kItemsPerThread = 4;  // panel runs per thread and row chunk
 constexpr int64_t kPrefetchPairs = 16;  // repack: rows prefetched this many pairs (2x rows) ahead
+constexpr int64_t kStreamAhead = 4;     // panels in pair order: 32-k steps (4 KB each) prefetched this far ahead
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 
@@ -105,7 +106,7 @@ void repack(const uint16_t* panel, int64_t k, int64_t i0, int64_t i1, uint16_t* 
 // as stored, rows ld apart), each 32-k step is repacked into vnni just before its tiles read it (a panel's first
 // row block).
 void block16(const uint16_t* x, int64_t ldx, uint16_t* vnni, int64_t k, float* out, int64_t ldo,
-             const uint16_t* raw = nullptr, int64_t ld = kPanel) {
+             const uint16_t* raw = nullptr, int64_t ld = kPanel, bool stream = false) {
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
@@ -113,6 +114,10 @@ void block16(const uint16_t* x, int64_t ldx, uint16_t* vnni, int64_t k, float* o
   for (int64_t kk = 0; kk < k; kk += 32) {
     if (raw != nullptr) repack(raw, k, kk / 2, kk / 2 + 16, vnni, ld);
     const uint16_t* w = vnni + kk / 2 * kPanel * 2;
+    if (stream && kk + kStreamAhead * 32 < k) {  // the panel in place, from memory: its 4 KB k step kStreamAhead on
+      const char* ahead = reinterpret_cast<const char*>(w + kStreamAhead * 32 * kPanel);
+      for (int line = 0; line < 64; ++line) _mm_prefetch(ahead + 64 * line, _MM_HINT_T0);
+    }
     _tile_loadd(4, x + kk, ldx * 2);
     _tile_loadd(5, w, kPanel * 4);
     _tile_loadd(6, w + 32, kPanel * 4);
@@ -161,13 +166,14 @@ struct Job {
   const uint16_t* w;
   float* out;
   int64_t t, k, panels;
+  bool pairs;  // the panels already in pair order ([K/2, 64, 2] each): the tiles read them where they lie
   qcompile_native::PanelItems split;
 };
 
 // The rows [r0, r1) of x (k wide) times one panel or strip (`raw`, rows ld apart) into y (ldy floats per row): the
 // first block (32 rows, or 16 when there are fewer) repacks the panel into vnni as it goes; the rest read vnni in
 // blocks of 32, then one of 16; the last rows (fewer than 16) go through `tail`, their zero-padded copy made once per
-// item, and a scratch block.
+// item, and a scratch block. Without `raw`, `vnni` is the panel itself, already in pair order: blocks of 16 rows.
 struct Rows {
   const uint16_t* x;
   int64_t k, r0, tail_start, r1;
@@ -177,14 +183,22 @@ struct Rows {
 void rows_times_panel(const Rows& rows, const uint16_t* raw, int64_t ld, uint16_t* vnni, float* y, int64_t ldy) {
   thread_local std::vector<float> scratch;
   const int64_t k = rows.k;
-  const auto through_scratch = [&](const uint16_t* from, int64_t row) {  // the tail's rows, from row `row` of y
-    scratch.resize(16 * kPanel);
-    block16(rows.tail, k, vnni, k, scratch.data(), kPanel, from, ld);
+  const auto through_scratch = [&](const uint16_t* from, int64_t row, bool stream = false) {  // the tail's rows,
+    scratch.resize(16 * kPanel);                                                                // from row `row` of y
+    block16(rows.tail, k, vnni, k, scratch.data(), kPanel, from, ld, stream);
     for (int64_t m = 0; m < rows.r1 - rows.tail_start; ++m)
       std::memcpy(y + (row + m) * ldy, scratch.data() + m * kPanel, sizeof(float) * kPanel);
   };
-  if (rows.r1 - rows.r0 < 16) return through_scratch(raw, 0);
+  if (rows.r1 - rows.r0 < 16) return through_scratch(raw, 0, raw == nullptr);
   int64_t r = rows.r0;
+  if (raw == nullptr) {  // the panel in pair order where it lies: blocks of 16 rows, each over all 64 columns, so the
+    // first streams every line of the panel in from memory and the rest find it in L2 (a 32-row block reads half of
+    // each line per pass: its second pass would wait on memory again)
+    for (; r + 16 <= rows.tail_start; r += 16)
+      block16(rows.x + r * k, k, vnni, k, y + (r - rows.r0) * ldy, ldy, nullptr, kPanel, r == rows.r0);
+    if (rows.tail_start < rows.r1) through_scratch(nullptr, rows.tail_start - rows.r0, rows.tail_start == rows.r0);
+    return;
+  }
   if (rows.r1 - rows.r0 >= 32) {
     block(rows.x + r * k, k, vnni, k, y, ldy, raw, ld);
     r += 32;
@@ -221,12 +235,19 @@ void run_item(const Job& j, int64_t i) {
   thread_local std::vector<uint16_t> vnni, padded;
   vnni.resize(static_cast<size_t>(panel_size));
   const Rows rows = rows_of(j.x, j.k, r0, r1, padded);
-  for (int64_t p = p0; p < p1; ++p)
-    rows_times_panel(rows, j.w + p * panel_size, kPanel, vnni.data(), j.out + r0 * n + p * kPanel, n);
+  for (int64_t p = p0; p < p1; ++p) {
+    if (j.pairs)  // nothing to repack: the tiles read the panel as stored
+      rows_times_panel(rows, nullptr, kPanel, const_cast<uint16_t*>(j.w + p * panel_size), j.out + r0 * n + p * kPanel,
+                       n);
+    else
+      rows_times_panel(rows, j.w + p * panel_size, kPanel, vnni.data(), j.out + r0 * n + p * kPanel, n);
+  }
   _tile_release();
 }
 
-ffi::Error LinearPanelsAmx(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::ResultBuffer<ffi::F32> out) {
+// The linear over w[P, K, 64] panels as stored (`pairs`: each panel in pair order, [K/2, 64, 2]), shapes checked.
+ffi::Error linear_amx(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::ResultBuffer<ffi::F32> out,
+                      bool pairs) {
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
   if (x.element_type() != ffi::DataType::BF16 || w.element_type() != ffi::DataType::BF16 || xd.size() != 2 ||
@@ -235,7 +256,7 @@ ffi::Error LinearPanelsAmx(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffe
   if (!tiles_permitted())
     return ffi::Error(ffi::ErrorCode::kUnavailable, "qcompile linear_panels amx: the OS refused the AMX tile state");
   Job job{static_cast<const uint16_t*>(x.untyped_data()), static_cast<const uint16_t*>(w.untyped_data()),
-          out->typed_data(), xd[0], xd[1], wd[0],
+          out->typed_data(), xd[0], xd[1], wd[0], pairs,
           qcompile_native::PanelItems(xd[0], wd[0], kRowChunk, pool.num_threads(), kItemsPerThread)};
   if (job.t == 0 || job.panels == 0) return ffi::Error::Success();
   if (job.k == 0) {
@@ -246,6 +267,15 @@ ffi::Error LinearPanelsAmx(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffe
   return ffi::Error::Success();
 }
 
+ffi::Error LinearPanelsAmx(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::ResultBuffer<ffi::F32> out) {
+  return linear_amx(pool, x, w, out, false);
+}
+
+ffi::Error LinearPairPanelsAmx(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                               ffi::ResultBuffer<ffi::F32> out) {
+  return linear_amx(pool, x, w, out, true);
+}
+
 using GroupItem = qcompile_native::GroupChunk;
 
 struct GroupJob {
@@ -254,6 +284,7 @@ struct GroupJob {
   float* out;
   int64_t k, nout;
   bool panels;  // w[E, Nout/64, K, 64] (each strip one contiguous panel), else w[E, K, Nout]
+  bool pairs;   // panels already in pair order ([K/2, 64, 2] each): the tiles read them where they lie
   std::vector<GroupItem> items;
 };
 
@@ -266,7 +297,9 @@ void group_product(const GroupJob& j, const GroupItem& it, float* y, int64_t ldy
   const uint16_t* we = j.w + it.expert * j.k * j.nout;
   const Rows rows = rows_of(j.x, j.k, it.row0, it.row0 + it.rows, padded);
   for (int64_t s = 0; s < strips; ++s) {
-    if (j.panels)
+    if (j.pairs)
+      rows_times_panel(rows, nullptr, kPanel, const_cast<uint16_t*>(we + s * strip), y + s * kPanel, ldy);
+    else if (j.panels)
       rows_times_panel(rows, we + s * strip, kPanel, vnni.data(), y + s * kPanel, ldy);
     else
       rows_times_panel(rows, we + s * kPanel, j.nout, vnni.data(), y + s * kPanel, ldy);
@@ -283,7 +316,7 @@ void run_group_item(const GroupJob& j, const GroupItem& it) {
 
 // The grouped product over w in either layout (`panels`: w[E, P, K, 64], else w[E, K, Nout]), shapes checked.
 ffi::Error grouped_amx(ffi::ThreadPool pool, ffi::AnyBuffer rows, ffi::AnyBuffer w, ffi::Buffer<ffi::S32> group_sizes,
-                       ffi::ResultBuffer<ffi::F32> out, bool panels) {
+                       ffi::ResultBuffer<ffi::F32> out, bool panels, bool pairs = false) {
   const auto rd = rows.dimensions();
   const auto wd = w.dimensions();
   const auto gd = group_sizes.dimensions();
@@ -304,6 +337,7 @@ ffi::Error grouped_amx(ffi::ThreadPool pool, ffi::AnyBuffer rows, ffi::AnyBuffer
   job->k = rd[1];
   job->nout = panels ? wd[1] * kPanel : wd[2];
   job->panels = panels;
+  job->pairs = pairs;
   const int64_t n = rd[0], width = job->nout;
   if (job->k == 0) {
     std::memset(job->out, 0, sizeof(float) * n * width);
@@ -326,6 +360,11 @@ ffi::Error GroupedMatmulPanelsAmx(ffi::ThreadPool pool, ffi::AnyBuffer rows, ffi
   return grouped_amx(pool, rows, w, group_sizes, out, true);
 }
 
+ffi::Error GroupedMatmulPairPanelsAmx(ffi::ThreadPool pool, ffi::AnyBuffer rows, ffi::AnyBuffer w,
+                                      ffi::Buffer<ffi::S32> group_sizes, ffi::ResultBuffer<ffi::F32> out) {
+  return grouped_amx(pool, rows, w, group_sizes, out, true, true);
+}
+
 #else  // built for a CPU without AMX: the rules never call these (kernels/native.py checks the CPU's flags)
 
 ffi::Error LinearPanelsAmx(ffi::ThreadPool, ffi::AnyBuffer, ffi::AnyBuffer, ffi::ResultBuffer<ffi::F32>) {
@@ -340,6 +379,15 @@ ffi::Error GroupedMatmulAmx(ffi::ThreadPool, ffi::AnyBuffer, ffi::AnyBuffer, ffi
 ffi::Error GroupedMatmulPanelsAmx(ffi::ThreadPool, ffi::AnyBuffer, ffi::AnyBuffer, ffi::Buffer<ffi::S32>,
                                   ffi::ResultBuffer<ffi::F32>) {
   return ffi::Error(ffi::ErrorCode::kUnavailable, "qcompile grouped matmul panels amx: built for a CPU without AMX");
+}
+
+ffi::Error GroupedMatmulPairPanelsAmx(ffi::ThreadPool, ffi::AnyBuffer, ffi::AnyBuffer, ffi::Buffer<ffi::S32>,
+                                      ffi::ResultBuffer<ffi::F32>) {
+  return ffi::Error(ffi::ErrorCode::kUnavailable, "qcompile grouped matmul pair panels amx: built for a CPU without AMX");
+}
+
+ffi::Error LinearPairPanelsAmx(ffi::ThreadPool, ffi::AnyBuffer, ffi::AnyBuffer, ffi::ResultBuffer<ffi::F32>) {
+  return ffi::Error(ffi::ErrorCode::kUnavailable, "qcompile linear pair panels amx: built for a CPU without AMX");
 }
 
 #endif
@@ -363,6 +411,21 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(QcompileGroupedMatmulPanelsAmx, GroupedMatmulPanel
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QcompileLinearPanelsAmx, LinearPanelsAmx,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+// rows[N,K] bf16, w[E,Nout/64,K,64] bf16 (expert panels, each in pair order), group_sizes[E] -> out[N,Nout] f32
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QcompileGroupedMatmulPairPanelsAmx, GroupedMatmulPairPanelsAmx,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+// x[T,K] bf16, w[P,K,64] bf16 (column panels, each in pair order) -> out[T,64P] f32
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QcompileLinearPairPanelsAmx, LinearPairPanelsAmx,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()

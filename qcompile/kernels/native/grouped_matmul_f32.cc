@@ -156,6 +156,7 @@ struct Job {
   const uint16_t* w16 = nullptr;  // bf16 weights [E, K, Nout] (w null)
   bool panels = false;            // w is [E, Nout/64, K, 64] (f32 or bf16)
   const uint16_t* x16 = nullptr;  // bf16 rows (x null), with bf16 panels: the VDPBF16PS tiles (bf16_pairs.h)
+  bool paired = false;            // the bf16 panels stored in pair order (bf16_pairs.h), read as such
   int64_t bk = 1, bn = 1, kblocks = 1, nblocks = 1;
   bool bf16_weights = false;  // FP8 panels: each dequantized weight rounded to bf16 (a bf16 graph's dequantize)
   // A bf16 result (out null): each value of the product rounded once to bf16, or with swiglu the halves as a bf16
@@ -196,7 +197,7 @@ void panel_product(const Job& j, const Item& it, float* out, int64_t ldo) {
       for (int64_t r = 0; r < it.rows; r += kMr) {
         const int rows = static_cast<int>(std::min<int64_t>(kMr, it.rows - r));
         qcompile_native::tile_pairs_rows(rows, j.x16 + (it.row0 + r) * j.k, j.k, wp16, 0, j.k, out + r * ldo + p * kNr,
-                                         ldo, false, ahead);
+                                         ldo, false, ahead, j.paired);
       }
       continue;
     }
@@ -375,7 +376,7 @@ ffi::Error Run(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> rows, ffi::Buffer<ffi
 // w in panels [E, P, K, 64] (Nout = 64 P), f32 or bf16, against f32 rows x or bf16 rows x16 (the pairs kernel).
 ffi::Error LaunchPanels(ffi::ThreadPool pool, const float* x, const uint16_t* x16, const void* w, bool w_bf16,
                         ffi::Span<const int64_t> rd, ffi::Span<const int64_t> wd, ffi::Buffer<ffi::S32> group_sizes,
-                        float* out, bool swiglu, uint16_t* out16 = nullptr) {
+                        float* out, bool swiglu, uint16_t* out16 = nullptr, bool paired = false) {
   const auto gd = group_sizes.dimensions();
   if (rd.size() != 2 || wd.size() != 4 || gd.size() != 1 || wd[2] != rd[1] || wd[3] != kNr || gd[0] != wd[0] ||
       (swiglu && wd[1] % 2) || (x16 != nullptr && rd[1] % 2))
@@ -392,6 +393,7 @@ ffi::Error LaunchPanels(ffi::ThreadPool pool, const float* x, const uint16_t* x1
   job->nout = wd[1] * kNr;
   job->swiglu = swiglu;
   job->panels = true;
+  job->paired = paired;
   return Launch(pool, job, rd[0], wd[0], group_sizes.typed_data());
 }
 
@@ -516,7 +518,8 @@ ffi::Error GroupedMatmulPanelsBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> r
 // swiglu, SwiGLU's halves as a bf16 graph computes them); an error on a CPU without AVX512_BF16 (the rule asks
 // native.avx512_bf16() first).
 ffi::Error RunPanelsBf16Pairs(ffi::ThreadPool pool, ffi::AnyBuffer rows, ffi::AnyBuffer w,
-                              ffi::Buffer<ffi::S32> group_sizes, ffi::Result<ffi::AnyBuffer> out, bool swiglu) {
+                              ffi::Buffer<ffi::S32> group_sizes, ffi::Result<ffi::AnyBuffer> out, bool swiglu,
+                              bool paired = false) {
 #ifdef __AVX512BF16__
   const bool out16 = out->element_type() == ffi::DataType::BF16;
   if (rows.element_type() != ffi::DataType::BF16 || w.element_type() != ffi::DataType::BF16 ||
@@ -526,7 +529,7 @@ ffi::Error RunPanelsBf16Pairs(ffi::ThreadPool pool, ffi::AnyBuffer rows, ffi::An
   return LaunchPanels(pool, nullptr, static_cast<const uint16_t*>(rows.untyped_data()), w.untyped_data(), true,
                       rows.dimensions(), w.dimensions(), group_sizes,
                       out16 ? nullptr : static_cast<float*>(out->untyped_data()), swiglu,
-                      out16 ? static_cast<uint16_t*>(out->untyped_data()) : nullptr);
+                      out16 ? static_cast<uint16_t*>(out->untyped_data()) : nullptr, paired);
 #else
   return ffi::Error::InvalidArgument("qcompile grouped matmul panels bf16 pairs: built for a CPU without AVX512_BF16");
 #endif
@@ -540,6 +543,17 @@ ffi::Error GroupedMatmulPanelsBf16Pairs(ffi::ThreadPool pool, ffi::AnyBuffer row
 ffi::Error GroupedMatmulSwigluPanelsBf16Pairs(ffi::ThreadPool pool, ffi::AnyBuffer rows, ffi::AnyBuffer w,
                                               ffi::Buffer<ffi::S32> group_sizes, ffi::Result<ffi::AnyBuffer> out) {
   return RunPanelsBf16Pairs(pool, rows, w, group_sizes, out, true);
+}
+
+// The same two with the panels in pair order (the layout AMX tiles read, made on CPUs with AMX).
+ffi::Error GroupedMatmulPairPanelsBf16(ffi::ThreadPool pool, ffi::AnyBuffer rows, ffi::AnyBuffer w,
+                                       ffi::Buffer<ffi::S32> group_sizes, ffi::Result<ffi::AnyBuffer> out) {
+  return RunPanelsBf16Pairs(pool, rows, w, group_sizes, out, false, true);
+}
+
+ffi::Error GroupedMatmulSwigluPairPanelsBf16(ffi::ThreadPool pool, ffi::AnyBuffer rows, ffi::AnyBuffer w,
+                                             ffi::Buffer<ffi::S32> group_sizes, ffi::Result<ffi::AnyBuffer> out) {
+  return RunPanelsBf16Pairs(pool, rows, w, group_sizes, out, true, true);
 }
 
 ffi::Error GroupedMatmulF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> rows, ffi::Buffer<ffi::F32> w,
@@ -618,6 +632,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(QcompileGroupedMatmulPanelsBf16, GroupedMatmulPane
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QcompileGroupedMatmulPanelsBf16Pairs, GroupedMatmulPanelsBf16Pairs,
                               QCOMPILE_GROUPED_MATMUL_PAIRS_BINDING);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QcompileGroupedMatmulSwigluPanelsBf16Pairs, GroupedMatmulSwigluPanelsBf16Pairs,
+                              QCOMPILE_GROUPED_MATMUL_PAIRS_BINDING);
+// ... with w's panels in pair order
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QcompileGroupedMatmulPairPanelsBf16, GroupedMatmulPairPanelsBf16,
+                              QCOMPILE_GROUPED_MATMUL_PAIRS_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QcompileGroupedMatmulSwigluPairPanelsBf16, GroupedMatmulSwigluPairPanelsBf16,
                               QCOMPILE_GROUPED_MATMUL_PAIRS_BINDING);
 
 // rows[N,K] f32, w[E,K,Nout] e4m3fn (taken as bytes), scale[E,KB,NB] f32, group_sizes[E]; attrs block_k, block_n -> out.

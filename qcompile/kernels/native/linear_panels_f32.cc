@@ -132,6 +132,7 @@ struct Job {
   // a bf16 result as a bf16 graph's ops round it (bf16.h swiglu_bf16).
   uint16_t* out16 = nullptr;
   bool swiglu = false;
+  bool paired = false;  // the bf16 panels (w16) stored in pair order (bf16_pairs.h), read by the pair tiles as such
 };
 
 void run_item(const Job& j, int64_t i) {
@@ -185,7 +186,7 @@ void run_item(const Job& j, int64_t i) {
       for (int64_t i = 0; i < tiles; ++i) {
         const int64_t r = r0 + (r1 - r0) * i / tiles, r_end = r0 + (r1 - r0) * (i + 1) / tiles;
         qcompile_native::tile_pairs_rows(static_cast<int>(r_end - r), j.x16 + r * j.k, j.k, wp16, 0, j.k,
-                                         dst + (r - r0) * ldd, ldd, false, ahead);
+                                         dst + (r - r0) * ldd, ldd, false, ahead, j.paired && j.w16 != nullptr);
       }
       return;
     }
@@ -222,7 +223,7 @@ void run_item(const Job& j, int64_t i) {
               __builtin_prefetch(pf.base + (pf.first + l) * 64, 0, 2);
           };
           qcompile_native::tile_pairs_rows(static_cast<int>(r_end - r), j.x16 + r * j.k, j.k, block16, kb, ke,
-                                           dst + (r - r0) * ldd, ldd, kb > 0, ahead);
+                                           dst + (r - r0) * ldd, ldd, kb > 0, ahead, j.paired && j.w8 == nullptr);
           continue;
         }
 #endif
@@ -382,8 +383,8 @@ ffi::Error LinearPanelsFp8(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffe
 
 // x[T,K] bf16, w[P,K,64] bf16, K even -> out f32 or bf16 on VDPBF16PS; an error on a CPU without AVX512_BF16 (the
 // rule asks native.avx512_bf16() first).
-ffi::Error LinearPanelsBf16Pairs(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
-                                 ffi::Result<ffi::AnyBuffer> out, int64_t swiglu) {
+ffi::Error linear_bf16_pairs(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> out,
+                             int64_t swiglu, bool paired) {
 #ifdef __AVX512BF16__
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
@@ -395,6 +396,7 @@ ffi::Error LinearPanelsBf16Pairs(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::An
           qcompile_native::PanelItems(xd[0], wd[0], kRowChunk, pool.num_threads(), kItemsPerThread)};
   job.w16 = static_cast<const uint16_t*>(w.untyped_data());
   job.x16 = static_cast<const uint16_t*>(x.untyped_data());
+  job.paired = paired;
   if (auto error = bind_result(job, out, swiglu); error.failure()) return error;
   return Execute(pool, job);
 #else
@@ -402,11 +404,30 @@ ffi::Error LinearPanelsBf16Pairs(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::An
 #endif
 }
 
+ffi::Error LinearPanelsBf16Pairs(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                                 ffi::Result<ffi::AnyBuffer> out, int64_t swiglu) {
+  return linear_bf16_pairs(pool, x, w, out, swiglu, false);
+}
+
+// The same with the panels in pair order (the layout AMX tiles read, made on CPUs with AMX).
+ffi::Error LinearPairPanelsBf16(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                                ffi::Result<ffi::AnyBuffer> out, int64_t swiglu) {
+  return linear_bf16_pairs(pool, x, w, out, swiglu, true);
+}
+
 }  // namespace
 
 // Every entry point takes attr swiglu (nonzero: the panels are [gate ; up] and the result silu(gate) · up, [T, 32P]).
 // x[T,K] bf16, w[P,K,64] bf16 -> out[T,P*64] f32 or bf16
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QcompileLinearPanelsBf16Pairs, LinearPanelsBf16Pairs,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("swiglu"));
+// x[T,K] bf16, w[P,K,64] bf16 in pair order -> out[T,P*64] f32 or bf16
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QcompileLinearPairPanelsBf16, LinearPairPanelsBf16,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()
