@@ -5,7 +5,9 @@ column panels (`linear_panels_cpu`), and XLA's dot on [N, K] (`linear_xla`).
 Usage: python benchmarks/linear_panels_cpu.py [--rows 1,8,32,128,512] [--repeats 6] [--dtype f32|bf16]
 
 --dtype bf16 times a bf16 checkpoint's products instead (bf16 activations and panels, 0.64 GB): the panel rule as the
-step calls it (AMX tiles from AMX_MIN_ROWS rows where the CPU has them) beside the FMA panel kernel at every row count.
+step calls it (AMX tiles from AMX_MIN_ROWS rows where the CPU has them) beside the FMA, VDPBF16PS and AMX panel
+kernels at every row count; on a CPU with AMX also the panels in pair order (the layout there): the rule, and its two
+kernels, each at every row count.
 
 One jitted chain multiplies the rows by the bench preset's dense weights of one decode step, eight times over
 (60 × [1024, 1024], 30 × [2048, 1024], 60 × [512, 1024], 60 × [1024, 512], 4 × [32000, 1024]; 1.28 GB, more than
@@ -16,6 +18,7 @@ concurrently. The minimum over --repeats runs is reported with GB/s (weight byte
 from __future__ import annotations
 
 import argparse
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +26,7 @@ import numpy as np
 from timing import best_ms
 
 from qcompile.kernels import linear as lin
+from qcompile.kernels.grouped_matmul import to_pair_order
 from qcompile.kernels import native
 
 SHAPES = [(1024, 1024)] * 60 + [(2048, 1024)] * 30 + [(512, 1024)] * 60 + [(1024, 512)] * 60 + [(32000, 1024)] * 4
@@ -93,6 +97,20 @@ def amx_panels_bf16(x, wp):
     return call(x, wp).astype(x.dtype)
 
 
+def pair_order_amx(x, wp):
+    """The AMX kernel on panels in pair order (read in place; the rule's choice from AMX_PAIR_MIN_ROWS on)."""
+    p, k, c = wp.shape
+    call = jax.ffi.ffi_call(lin.NATIVE_PAIR_PANELS_AMX, jax.ShapeDtypeStruct((x.shape[0], p * c), jnp.float32))
+    return call(x, wp).astype(x.dtype)
+
+
+def pair_order_pairs(x, wp):
+    """The VDPBF16PS kernel on panels in pair order (no interleaving; the rule's choice below AMX_PAIR_MIN_ROWS)."""
+    p, k, c = wp.shape
+    call = jax.ffi.ffi_call(lin.NATIVE_PAIR_PANELS_BF16, jax.ShapeDtypeStruct((x.shape[0], p * c), jnp.bfloat16))
+    return call(x, wp, swiglu=0)
+
+
 def main_bf16(args) -> None:
     if not native.ensure(lin.NATIVE_PANELS_BF16):
         raise SystemExit(f"native kernel unavailable: {native.status(lin.NATIVE_PANELS_BF16)}")
@@ -104,17 +122,24 @@ def main_bf16(args) -> None:
     pairs = native.avx512_bf16() and native.ensure(lin.NATIVE_PANELS_BF16_PAIRS)
     print(f"AMX: {'yes' if amx else 'no'}; the rule uses it from {lin.AMX_MIN_ROWS} rows; "
           f"VDPBF16PS pairs: {'yes' if pairs else 'no'}")
+    # panels in pair order (the cpu layout of bf16 weights where the CPU has AMX, ir/target_layout.py)
+    paired = None
+    if amx and pairs and native.ensure(lin.NATIVE_PAIR_PANELS_AMX) and native.ensure(lin.NATIVE_PAIR_PANELS_BF16):
+        paired = [jax.block_until_ready(to_pair_order(w)) for w in panels]
     print("| rows | rule | ms | GB/s | GFLOP/s |\n|---|---|---|---|---|")
     for rows in (int(r) for r in args.rows.split(",")):
         x = jnp.asarray(rng.standard_normal((rows, 1024)), jnp.bfloat16)
         flops = sum(2 * rows * n * k for n, k in SHAPES)
-        rules = [("rule", lin.linear_panels_cpu), ("fma", fma_panels_bf16)]
+        rules = [("rule (k order)", lin.linear_panels_cpu, panels), ("fma", fma_panels_bf16, panels)]
         if pairs:
-            rules.append(("pairs", pairs_panels_bf16))
+            rules.append(("pairs", pairs_panels_bf16, panels))
         if amx:
-            rules.append(("amx", amx_panels_bf16))
-        for label, product in rules:
-            ms = best_ms(chain(product), x, panels, repeats=args.repeats)
+            rules.append(("amx (repacks)", amx_panels_bf16, panels))
+        if paired is not None:
+            rules += [("rule (pair order)", functools.partial(lin.linear_panels_cpu, pair_order=True), paired),
+                      ("pair order: amx", pair_order_amx, paired), ("pair order: pairs", pair_order_pairs, paired)]
+        for label, product, weights in rules:
+            ms = best_ms(chain(product), x, weights, repeats=args.repeats)
             print(f"| {rows} | {label} | {ms:.1f} | {nbytes / ms / 1e6:.1f} | {flops / ms / 1e6:.0f} |")
 
 

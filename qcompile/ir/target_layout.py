@@ -180,7 +180,8 @@ def in_target_layout(graph: Graph, target: str | None) -> Graph:
                 e, k, n = graph.type_of(w).shape
                 if pairs:  # [E, K/2, 2, P, 64] -> [E, P, K/2, 64, 2], read as [E, P, K, 64]
                     split = b.add(Reshape((e, k // 2, 2, n // PANEL, PANEL)), mapping[w])
-                    panels[w, pairs] = b.add(Reshape((e, n // PANEL, k, PANEL)), b.add(Transpose((0, 3, 1, 4, 2)), split))
+                    paired = b.add(Transpose((0, 3, 1, 4, 2)), split)
+                    panels[w, pairs] = b.add(Reshape((e, n // PANEL, k, PANEL)), paired)
                 else:
                     split = b.add(Reshape((e, k, n // PANEL, PANEL)), mapping[w])
                     panels[w, pairs] = b.add(Transpose((0, 2, 1, 3)), split)

@@ -148,8 +148,8 @@ def linear_panels_cpu(x, wp, swiglu: bool = False, pair_order: bool = False):
     block at a time, for f32 or bf16 activations) —, XLA's dot otherwise. `swiglu` (linear_panels' attr): the panels
     are [gate ; up] and the result SwiGLU's halves — in the kernel where it computes them as the reference does (f32
     panels; bf16 pairs and FP8, whose bf16 result rounds every op as the reference's bf16 ops) and the halves are
-    whole panels (an even P), else after it. `pair_order`: bf16 panels in pair order (grouped_matmul.to_pair_order), read
-    in place — by AMX tiles from AMX_PAIR_MIN_ROWS rows, by VDPBF16PS below (no interleaving: the order is its
+    whole panels (an even P), else after it. `pair_order`: bf16 panels in pair order (grouped_matmul.to_pair_order),
+    read in place — by AMX tiles from AMX_PAIR_MIN_ROWS rows, by VDPBF16PS below (no interleaving: the order is its
     operand's) —, else put back in k order first (correct, slower)."""
     if pair_order:  # bf16 panels in pair order: read in place by AMX tiles, or by VDPBF16PS for a few rows
         p, k, c = wp.shape
