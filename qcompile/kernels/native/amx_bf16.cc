@@ -394,40 +394,21 @@ ffi::Error LinearPairPanelsAmx(ffi::ThreadPool, ffi::AnyBuffer, ffi::AnyBuffer, 
 
 }  // namespace
 
-// rows[N,K] bf16, w[E,K,Nout] bf16, group_sizes[E] -> out[N,Nout] f32
-XLA_FFI_DEFINE_HANDLER_SYMBOL(QcompileGroupedMatmulAmx, GroupedMatmulAmx,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
-// rows[N,K] bf16, w[E,Nout/64,K,64] bf16 (expert panels), group_sizes[E] -> out[N,Nout] f32
-XLA_FFI_DEFINE_HANDLER_SYMBOL(QcompileGroupedMatmulPanelsAmx, GroupedMatmulPanelsAmx,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(QcompileLinearPanelsAmx, LinearPanelsAmx,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
-// rows[N,K] bf16, w[E,Nout/64,K,64] bf16 (expert panels, each in pair order), group_sizes[E] -> out[N,Nout] f32
+// The grouped entry points: rows[N,K] bf16, w (below) bf16, group_sizes[E] -> out[N,Nout] f32.
+#define QCOMPILE_AMX_GROUPED_BINDING \
+  ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::Buffer<ffi::S32>>() \
+      .Ret<ffi::Buffer<ffi::F32>>()
+// The linear entry points: x[T,K] bf16, w[P,K,64] bf16 (column panels) -> out[T,64P] f32.
+#define QCOMPILE_AMX_LINEAR_BINDING \
+  ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Ret<ffi::Buffer<ffi::F32>>()
+
+// w[E,K,Nout]
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QcompileGroupedMatmulAmx, GroupedMatmulAmx, QCOMPILE_AMX_GROUPED_BINDING);
+// w[E,Nout/64,K,64] (expert panels)
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QcompileGroupedMatmulPanelsAmx, GroupedMatmulPanelsAmx, QCOMPILE_AMX_GROUPED_BINDING);
+// w[E,Nout/64,K,64], each panel in pair order
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QcompileGroupedMatmulPairPanelsAmx, GroupedMatmulPairPanelsAmx,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
-// x[T,K] bf16, w[P,K,64] bf16 (column panels, each in pair order) -> out[T,64P] f32
-XLA_FFI_DEFINE_HANDLER_SYMBOL(QcompileLinearPairPanelsAmx, LinearPairPanelsAmx,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                              QCOMPILE_AMX_GROUPED_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QcompileLinearPanelsAmx, LinearPanelsAmx, QCOMPILE_AMX_LINEAR_BINDING);
+// each panel in pair order
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QcompileLinearPairPanelsAmx, LinearPairPanelsAmx, QCOMPILE_AMX_LINEAR_BINDING);

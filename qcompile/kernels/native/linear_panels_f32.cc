@@ -419,21 +419,12 @@ ffi::Error LinearPairPanelsBf16(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Any
 
 // Every entry point takes attr swiglu (nonzero: the panels are [gate ; up] and the result silu(gate) · up, [T, 32P]).
 // x[T,K] bf16, w[P,K,64] bf16 -> out[T,P*64] f32 or bf16
-XLA_FFI_DEFINE_HANDLER_SYMBOL(QcompileLinearPanelsBf16Pairs, LinearPanelsBf16Pairs,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("swiglu"));
-// x[T,K] bf16, w[P,K,64] bf16 in pair order -> out[T,P*64] f32 or bf16
-XLA_FFI_DEFINE_HANDLER_SYMBOL(QcompileLinearPairPanelsBf16, LinearPairPanelsBf16,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("swiglu"));
+#define QCOMPILE_LINEAR_PAIRS_BINDING \
+  ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>() \
+      .Attr<int64_t>("swiglu")
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QcompileLinearPanelsBf16Pairs, LinearPanelsBf16Pairs, QCOMPILE_LINEAR_PAIRS_BINDING);
+// ... with w's panels in pair order
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QcompileLinearPairPanelsBf16, LinearPairPanelsBf16, QCOMPILE_LINEAR_PAIRS_BINDING);
 
 // x[T,K] f32, w[P,K,64] (f32, or bf16 for the second entry point) -> out[T,P*64] f32
 #define QCOMPILE_LINEAR_PANELS_BINDING                                                                            \
