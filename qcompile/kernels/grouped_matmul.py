@@ -325,7 +325,8 @@ NATIVE_AMX = "qcompile_grouped_matmul_amx"
 #: from 8 rows per expert on average AMX is the faster (measured on the bench preset's expert weights of one step, from
 #: memory, 2 threads: at 8 rows/expert 51 ms AMX vs 61 FMA, at 6 equal, at 4 49 vs 41 — the AMX kernel streams the
 #: weights once whatever the rows, the FMA kernel turns compute-bound; docs/cpu_rules.md, "AMX thresholds"; on expert
-#: panels against the VDPBF16PS pair kernel: 46 vs 46 ms at 8, 46 vs 63 at 12, 26 vs 19 at 1, "AMX on expert panels")
+#: panels against the VDPBF16PS pair kernel: 46 vs 46 ms at 8, 46 vs 63 at 12, 26 vs 19 at 1 — docs/cpu_rules.md,
+#: "bf16 panels in pair order on a CPU with AMX")
 AMX_MIN_ROWS_PER_EXPERT = 8
 
 
@@ -432,9 +433,9 @@ NATIVE_SWIGLU_PANELS_FP8 = "qcompile_grouped_matmul_swiglu_panels_fp8"
 
 def panel_kernel(dtype, swiglu: bool, fp8: bool = False) -> str | None:
     """The native entry point reading experts of `dtype` in panels (None: none for that dtype). bf16 experts go into
-    panels on every CPU: where it has AMX tiles, its AMX kernel reads panels too (prefill-sized rows; decode-sized
-    ones are faster on the panel kernels: docs/cpu_rules.md, "AMX on expert panels"). `fp8`: FP8 experts dequantized
-    to `dtype` (f32 or bf16) in the kernel."""
+    panels on every CPU: where it has AMX tiles, in pair order, which its AMX kernel reads in place at prefill-sized
+    rows and VDPBF16PS below (docs/cpu_rules.md, "bf16 panels in pair order on a CPU with AMX"). `fp8`: FP8 experts
+    dequantized to `dtype` (f32 or bf16) in the kernel."""
     if fp8:  # bf16: SwiGLU in the kernel as a bf16 graph rounds it (a bf16 result)
         return (NATIVE_SWIGLU_PANELS_FP8 if swiglu else NATIVE_PANELS_FP8) if dtype in ("f32", "bf16") else None
     if dtype == "f32":
@@ -459,8 +460,8 @@ NATIVE_PAIR_PANELS_AMX = "qcompile_grouped_matmul_pair_panels_amx"  # ... the pa
 NATIVE_PAIR_PANELS_BF16 = "qcompile_grouped_matmul_pair_panels_bf16"  # panels in pair order on VDPBF16PS
 NATIVE_SWIGLU_PAIR_PANELS_BF16 = "qcompile_grouped_matmul_swiglu_pair_panels_bf16"  # ... SwiGLU as bf16 rounds it
 #: expert panels in pair order go to AMX from this many rows per expert on average, below to VDPBF16PS (eight layers'
-#: routed experts of a bench-preset step: 4 rows 33.4 vs 35.1 ms, 6 rows 39.4 vs 37.3; docs/cpu_rules.md "Panels in
-#: pair order")
+#: routed experts of a bench-preset step: 4 rows 33.4 vs 35.1 ms, 6 rows 39.4 vs 37.3; docs/cpu_rules.md "bf16 panels
+#: in pair order on a CPU with AMX")
 AMX_PAIR_MIN_ROWS_PER_EXPERT = 5
 
 

@@ -46,8 +46,8 @@ NATIVE_PANELS_AMX = "qcompile_linear_panels_amx"  # bf16 activations and panels 
 NATIVE_PAIR_PANELS_AMX = "qcompile_linear_pair_panels_amx"  # ... panels in pair order, read in place
 NATIVE_PAIR_PANELS_BF16 = "qcompile_linear_pair_panels_bf16"  # panels in pair order on VDPBF16PS (a few rows)
 #: panels in pair order go to AMX from this many rows, below to VDPBF16PS (0.64 GB of the bench preset's dense products
-#: from memory: 1 row 26.1 vs 27.8 ms, 3 rows 28.0 vs 28.8, 4 rows 30.0 vs 28.4; docs/cpu_rules.md "Panels in pair
-#: order")
+#: from memory: 1 row 26.1 vs 27.8 ms, 3 rows 28.0 vs 28.8, 4 rows 30.0 vs 28.4; docs/cpu_rules.md "bf16 panels in
+#: pair order on a CPU with AMX")
 AMX_PAIR_MIN_ROWS = 4
 NATIVE_PANELS_FP8 = "qcompile_linear_panels_fp8"  # FP8 panels dequantized a k block at a time inside the kernel
 AMX_MIN_ROWS = 6  # from here on a bf16 product goes to AMX where the CPU has it (docs/cpu_rules.md, "AMX thresholds")
