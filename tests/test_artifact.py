@@ -193,6 +193,15 @@ def test_format_version_refused(artifact_copy):
     assert "manifest.json" in str(err) and "999" in str(err) and "format_version 2" in str(err)
 
 
+@pytest.mark.parametrize("dtype", ["f64", 7, None])
+def test_a_forged_compute_dtype_is_refused(artifact_copy, dtype):
+    """Behind the digest (re-sealed), an unknown compute_dtype is one line, exit 65 (`check` took it as the dtype of
+    its reference build and exited 2, as if the user had asked for it)."""
+    edit_manifest(artifact_copy, compute_dtype=dtype)
+    err = refusal(artifact_copy)
+    assert "malformed compute_dtype" in str(err) and err.exit_code == 65
+
+
 def test_manifest_config_without_a_vocabulary_refused(artifact_copy):
     manifest = json.loads((artifact_copy / MANIFEST).read_text())
     edit_manifest(artifact_copy, config={**manifest["config"], "vocab_size": -1})

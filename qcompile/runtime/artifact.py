@@ -83,6 +83,7 @@ import qcompile
 from qcompile.errors import CheckpointError, UsageError, one_line
 from qcompile.frontend.safetensors_io import SafetensorsFile
 from qcompile.ir.abi import CacheConfig, batch_specs, cache_specs, mesh_ranks
+from qcompile.ir.importer import DTYPE_CHOICES
 from qcompile.ir.types import TensorType, np_dtype, parse_type
 from qcompile.kernels import native
 from qcompile.runtime.engine import Engine, MeshPlacement
@@ -553,6 +554,9 @@ def load_artifact(path, verify_hashes: bool = True, progress: bool | None = Fals
     vocab = config.get("vocab_size", 1)  # (an artifact written from Python may carry no model config)
     if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 1:
         raise _refuse(manifest_path, f"malformed config (vocab_size {vocab!r})")
+    dtype = manifest.get("compute_dtype", "f32")  # (a forged, re-sealed manifest: `check` builds its reference in it)
+    if dtype not in DTYPE_CHOICES:
+        raise _refuse(manifest_path, f"malformed compute_dtype {dtype!r} (one of {', '.join(DTYPE_CHOICES)})")
     _check_files(root, files, verify_hashes)
 
     _ensure_native_kernels(manifest, manifest_path)
