@@ -13,11 +13,10 @@ indexed expert slice where it lies (it copies it) or run a few-row dot near the 
 an FFI custom call; TPU and GPU get Pallas kernels instead.
 
 Build: `$CXX` (default c++, then g++, then clang++) with -O3 -march=native, against jaxlib's FFI headers
-(`jax.ffi.include_dir()`) and the shared headers in native/. The library is cached as `<cache>/<name>-<key>.so`, the
-key hashing the source and those headers, the compiler's version, the jaxlib version and this CPU's model and
-instruction-set flags (a -march=native library is never loaded on another CPU); it is written to a temporary name and
-renamed, so concurrent builds are safe. Cache
-directory: `$QCOMPILE_NATIVE_DIR`, else `$XDG_CACHE_HOME/qcompile/native`, else `~/.cache/qcompile/native`.
+(`jax.ffi.include_dir()`) and the shared headers in native/, one library per source file (all its entry points). The
+library is cached as `<cache>/<source stem>-<key>.so`, the key hashing the source and those headers, the compiler's
+version, the jaxlib version and this CPU's model and instruction-set flags (a -march=native library is never loaded on
+another CPU); it is written to a temporary name and renamed, so concurrent builds are safe. Cache directory: `$QCOMPILE_NATIVE_DIR`, else `$XDG_CACHE_HOME/qcompile/native`, else `~/.cache/qcompile/native`.
 
 `QCOMPILE_NATIVE=off` disables every native kernel (the jnp rules run instead; the same compile then exports an
 artifact without custom calls, which any CPU can run).
@@ -87,6 +86,8 @@ KERNELS = {
 _registered: dict[str, bool] = {}
 _why_not: dict[str, str] = {}
 _said: set[str] = set()
+_libraries: dict[str, ctypes.CDLL] = {}  # source file -> its loaded library
+_build_errors: dict[str, Exception] = {}  # source file -> why it could not be built or loaded
 
 
 def disabled() -> bool:
@@ -117,20 +118,18 @@ def _cpu_identity() -> str:
         return f"{platform.machine()} {platform.processor()}"
 
 
-def _library_path(name: str, compiler: str) -> Path:
-    source, _ = KERNELS[name]
+def _library_path(source: str, compiler: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
     headers = [path.read_text() for path in sorted(SOURCE_DIR.glob("*.h"))]  # shared by every kernel's source
     key = hashlib.sha256("\0".join([(SOURCE_DIR / source).read_text(), *headers, version, jaxlib.__version__,
                                     _cpu_identity()]).encode()).hexdigest()[:16]
-    return cache_dir() / f"{name}-{key}.so"
+    return cache_dir() / f"{Path(source).stem}-{key}.so"
 
 
-def _build(name: str, compiler: str, lib: Path) -> None:
-    source, _ = KERNELS[name]
+def _build(source: str, compiler: str, lib: Path) -> None:
     lib.parent.mkdir(parents=True, exist_ok=True)
-    print(f"qcompile: building the native CPU kernel {name} (once; cached in {lib.parent})", file=sys.stderr)
-    fd, tmp = tempfile.mkstemp(prefix=f".{name}-", suffix=".so", dir=lib.parent)
+    print(f"qcompile: building the native CPU kernels of {source} (once; cached in {lib.parent})", file=sys.stderr)
+    fd, tmp = tempfile.mkstemp(prefix=f".{Path(source).stem}-", suffix=".so", dir=lib.parent)
     os.close(fd)
     try:
         cmd = [compiler, "-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w",
@@ -144,6 +143,23 @@ def _build(name: str, compiler: str, lib: Path) -> None:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def _library(source: str, compiler: str):
+    """The loaded library of one source file, built first if the cache has none: every entry point in a source comes
+    from one build (a source holds up to 14 of them; each took its own ~9 s compile before)."""
+    if source in _build_errors:
+        raise _build_errors[source]
+    if source not in _libraries:
+        try:
+            lib = _library_path(source, compiler)
+            if not lib.is_file():
+                _build(source, compiler, lib)
+            _libraries[source] = ctypes.cdll.LoadLibrary(str(lib))
+        except (OSError, RuntimeError, subprocess.SubprocessError) as err:
+            _build_errors[source] = err  # one failed build a process, not one per entry point
+            raise
+    return _libraries[source]
 
 
 def ensure(name: str) -> bool:
@@ -160,10 +176,7 @@ def ensure(name: str) -> bool:
         compiler = _compiler()
         if compiler is None:
             raise RuntimeError("no C++ compiler found (set CXX, or install g++ or clang++)")
-        lib = _library_path(name, compiler)
-        if not lib.is_file():
-            _build(name, compiler, lib)
-        handle = ctypes.cdll.LoadLibrary(str(lib))
+        handle = _library(KERNELS[name][0], compiler)
         jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(handle, KERNELS[name][1])), platform="cpu")
         ok = True
     except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as err:
