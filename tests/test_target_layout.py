@@ -16,6 +16,7 @@ from qcompile.ir.target_layout import in_target_layout
 from qcompile.ir.types import TensorType
 from qcompile.ir.verifier import verify
 from qcompile.ir.weights import fold_weight_preparation, load_params, prepared_names
+from qcompile.kernels import native
 
 GOLDEN_AFTER = """\
 graph @step {
@@ -314,8 +315,7 @@ def test_golden_bf16_panels_in_pair_order_on_amx(monkeypatch):
     assert "pair_order=true" not in plain and plain.count("pair_order=false") == 3
 
 
-@pytest.mark.skipif(not __import__("qcompile.kernels.native", fromlist=["amx_bf16"]).amx_bf16(),
-                    reason="this CPU has no AMX bf16 tiles")
+@pytest.mark.skipif(not native.amx_bf16(), reason="this CPU has no AMX bf16 tiles")
 def test_pair_order_bf16_build_matches_the_reference(tmp_path):
     """A bf16 tiny checkpoint (moe_intermediate_size 64) on a CPU with AMX: its dense and expert panels in pair
     order, read in place by the AMX kernels at the checker's 16-token batches, the folded cpu build's outputs against
