@@ -6,7 +6,8 @@ tokens: nothing stays in the caches between layers, as in a step).
 
 Run: python benchmarks/expert_panels_cpu.py [--tokens 1,8,32,128] [--rounds 15] [--dtype f32|bf16|fp8]
 (bf16: a bf16 checkpoint's experts, rows bf16, as the bf16 rules take them without AMX: the product rounded to bf16,
-then SwiGLU's halves; where the CPU has AMX, also the panels in pair order, the layout there, through their rule.
+then SwiGLU's halves; where the CPU has AVX512_BF16, also the panels in pair order through their rule (the layout on
+a CPU with AMX; measured without AMX too: docs/cpu_rules.md "Pair order without AMX").
 fp8: the experts FP8 in Qwen's 128 x 128 blocks, rows f32: the FP8 kernel on [E, K, Nout]
 (a slab dequantized into a buffer), the FP8 panel kernel (each panel row dequantized in registers), and beside them
 the f32 panel kernel on the same weights dequantized, whose result the FP8 panels must equal bit for bit).
@@ -76,7 +77,7 @@ def main() -> None:
         return x
 
     steps = {"[E,K,Nout]": plain, "panels": paneled}
-    if args.dtype == "bf16" and native.amx_bf16():  # the layout bf16 experts get there (ir/target_layout.py)
+    if args.dtype == "bf16" and native.avx512_bf16():  # the layout bf16 experts get there (ir/target_layout.py)
         @jax.jit
         def pair_order(x, wgu, wd, sizes):
             for layer in range(LAYERS):

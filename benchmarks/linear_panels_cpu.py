@@ -6,8 +6,8 @@ Usage: python benchmarks/linear_panels_cpu.py [--rows 1,8,32,128,512] [--repeats
 
 --dtype bf16 times a bf16 checkpoint's products instead (bf16 activations and panels, 0.64 GB): the panel rule as the
 step calls it (AMX tiles from AMX_MIN_ROWS rows where the CPU has them) beside the FMA, VDPBF16PS and AMX panel
-kernels at every row count; on a CPU with AMX also the panels in pair order (the layout there): the rule, and its two
-kernels, each at every row count.
+kernels at every row count; on a CPU with AVX512_BF16 also the panels in pair order (the layout where the CPU has
+AMX): the rule, and its kernels (VDPBF16PS, and AMX where the CPU has it), each at every row count.
 
 One jitted chain multiplies the rows by the bench preset's dense weights of one decode step, eight times over
 (60 × [1024, 1024], 30 × [2048, 1024], 60 × [512, 1024], 60 × [1024, 512], 4 × [32000, 1024]; 1.28 GB, more than
@@ -124,8 +124,9 @@ def main_bf16(args) -> None:
           f"VDPBF16PS pairs: {'yes' if pairs else 'no'}")
     # panels in pair order (the cpu layout of bf16 weights where the CPU has AMX, ir/target_layout.py)
     paired = None
-    if amx and pairs and native.ensure(lin.NATIVE_PAIR_PANELS_AMX) and native.ensure(lin.NATIVE_PAIR_PANELS_BF16):
+    if pairs and native.ensure(lin.NATIVE_PAIR_PANELS_BF16):
         paired = [jax.block_until_ready(to_pair_order(w)) for w in panels]
+    amx_paired = paired is not None and amx and native.ensure(lin.NATIVE_PAIR_PANELS_AMX)
     print("| rows | rule | ms | GB/s | GFLOP/s |\n|---|---|---|---|---|")
     for rows in (int(r) for r in args.rows.split(",")):
         x = jnp.asarray(rng.standard_normal((rows, 1024)), jnp.bfloat16)
@@ -137,7 +138,9 @@ def main_bf16(args) -> None:
             rules.append(("amx (repacks)", amx_panels_bf16, panels))
         if paired is not None:
             rules += [("rule (pair order)", functools.partial(lin.linear_panels_cpu, pair_order=True), paired),
-                      ("pair order: amx", pair_order_amx, paired), ("pair order: pairs", pair_order_pairs, paired)]
+                      ("pair order: pairs", pair_order_pairs, paired)]
+        if amx_paired:
+            rules.append(("pair order: amx", pair_order_amx, paired))
         for label, product, weights in rules:
             ms = best_ms(chain(product), x, weights, repeats=args.repeats)
             print(f"| {rows} | {label} | {ms:.1f} | {nbytes / ms / 1e6:.1f} | {flops / ms / 1e6:.0f} |")

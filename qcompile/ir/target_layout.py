@@ -55,7 +55,8 @@ EXPERT_PAIR_KERNELS = (gm.NATIVE_PAIR_PANELS_AMX, gm.NATIVE_PAIR_PANELS_BF16, gm
 
 def _pair_order(xt, wt, k, kernels: tuple[str, ...]) -> bool:
     """Whether a bf16 product's panels go in pair order: bf16 activations and weights (not FP8), K a multiple of 32,
-    on a CPU with AMX tiles, whose kernel then reads them in place (VDPBF16PS's for a few rows, too)."""
+    on a CPU with AMX tiles, whose kernel then reads them in place (VDPBF16PS's for a few rows, too). Not without
+    AMX: there the VDPBF16PS kernel ran as fast on k order (docs/cpu_rules.md "Pair order without AMX")."""
     return (xt.dtype == wt.dtype == "bf16" and isinstance(k, int) and k % 32 == 0 and native.amx_bf16()
             and all(native.ensure(kernel) for kernel in kernels))
 
