@@ -41,6 +41,10 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 from strategies import FRESH_SEED  # noqa: E402
 
+# pytest-xdist's workers start after this module ran in the controller and inherit its environment: they draw the
+# fresh random configs from the seed the header shows.
+os.environ.setdefault("QCOMPILE_PASS_SEED", str(FRESH_SEED))
+
 # 8 CPU devices for the whole suite, fixed before JAX starts: the distribution tests lay models out on meshes of up
 # to 8 devices in-process; everything else runs on device 0 as before.
 jax.config.update("jax_num_cpu_devices", 8)
