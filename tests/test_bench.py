@@ -41,14 +41,14 @@ SAMPLING = Sampling(temperature=0.9, top_k=5, top_p=0.8, seed=7)
 
 
 def _recording_steps(patch, seen: list) -> None:
-    """Record (seeds, counters) of every engine step (seeds None when greedy)."""
-    real = Engine.step_tokens
+    """Record (seeds, counters) of every engine step launched (seeds None when greedy; `step_tokens` launches too)."""
+    real = Engine.launch_tokens
 
     def recording(self, work, sampling=None, counters=None):
         seen.append((tuple(p.seed for p in sampling) if sampling else None, tuple(counters or ())))
         return real(self, work, sampling, counters)
 
-    patch.setattr(Engine, "step_tokens", recording)
+    patch.setattr(Engine, "launch_tokens", recording)
 
 
 @pytest.fixture(scope="module")

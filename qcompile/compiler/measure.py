@@ -3,7 +3,8 @@
 What it measures (design.md §7, metric names as vLLM's benchmark prints them): for each concurrency c, M prompts of
 fixed seed are served in waves of c — every wave prefilled together (chunked at `max_step_tokens`), then decoded in
 lock-step, greedy (or drawn with `--temperature/--top-k/--top-p`, request i with seed + i, on both engines), for
-exactly `output_len` tokens (EOS ignored, as serving benchmarks do). Per request: TTFT (wave
+exactly `output_len` tokens (EOS ignored, as serving benchmarks do), each decode step dispatched on the previous one's
+tokens before they are read back (Engine.launch_tokens). Per request: TTFT (wave
 start → first token), ITL (gaps between its tokens), TPOT ((latency − TTFT) / (tokens − 1)), end-to-end latency; per
 run: request throughput, output and total tok/s, and prefill tok/s and decode tok/s measured apart (time inside
 prefill steps and inside decode steps). Compile and warm-up (a full wave of the same shapes, untimed) are reported
@@ -408,14 +409,40 @@ def _serve_wave(engine, prompts, output_len, m: Measurement | None, roofline: Ro
                     token_times[i].append(t1)
                     ttft[i] = t1 - start
             stop()
-        for made in range(1, output_len):
-            work = [(s, [last[i]]) for i, s in enumerate(seqs)]
-            nexts, t1 = _timed_step(engine, work, "decode", m, roofline, probes, graph, target,
-                                    None if greedy else sampling, [made] * len(seqs))
-            for i, tok in enumerate(nexts):
-                last[i] = tok
-                token_times[i].append(t1)
+        # Decode pipelined (Engine.launch_tokens): step N + 1 goes to the device on step N's tokens before they are
+        # read; a step's time runs from the previous step's tokens being back to its own. The first decode step is
+        # read before the next is launched, so that the expert probe runs untimed on its batch.
+        mark = time.perf_counter()
+
+        def read(step, contexts) -> None:
+            nonlocal last, mark
+            last = step.tokens()
+            t1 = time.perf_counter()
+            for times in token_times:
+                times.append(t1)
+            if graph is not None and probes["decode"] is None:
+                probes["decode"] = probe_experts(graph, target, engine.params, engine.caches, engine.last_batch)
+            if m is not None:
+                m.decode_seconds += t1 - mark
+                m.decode_tokens += len(seqs)
+                if roofline is not None:
+                    m.add_roofline("decode", roofline, [1] * len(seqs), contexts, len(seqs), probes["decode"])
+            mark = time.perf_counter()
             stop()
+
+        launched, launched_contexts = None, None
+        for made in range(1, output_len):
+            if launched is not None and graph is not None and probes["decode"] is None:
+                read(launched, launched_contexts)
+                launched = None
+            work = [(s, [launched.token(i) if launched else last[i]]) for i, s in enumerate(seqs)]
+            contexts = [s.length + 1 for s in seqs]
+            following = engine.launch_tokens(work, None if greedy else sampling, [made] * len(seqs))
+            if launched is not None:
+                read(launched, launched_contexts)
+            launched, launched_contexts = following, contexts
+        if launched is not None:
+            read(launched, launched_contexts)
         if m is not None:
             for i in range(len(prompts)):
                 m.request(ttft[i], token_times[i], start)

@@ -7,7 +7,9 @@ by exported executables. Each `step` packs the scheduled sequences' new tokens i
 and decode tokens mixed freely) with `ir.abi.pack_batch`, pads it to a power-of-two token bucket, and calls the
 program with the caches donated so they are updated in place. Greedy sampling happens on the device: a decode step
 brings back one token id per sequence, and logits only when asked. A sequence owns one GDN state slot (zeroed when
-it is admitted) and KV pages allocated as it grows.
+it is admitted) and KV pages allocated as it grows. `launch_tokens` dispatches a step without waiting for it, and a
+decode step may take the tokens of the step before on the device (pipelined decoding: `generate` and `bench`'s waves
+pack and dispatch step N + 1 while step N computes).
 
 On a graph laid out with attention data parallelism (gqa-sharding; `ranks` > 1) each rank has its own share of the
 slots and of the page pool (ir/abi.py): a new sequence goes to the rank with the most free slots, its pages come from
@@ -41,7 +43,7 @@ from qcompile.runtime.memory import (CompiledBuckets, cache_bytes, compiled_memo
 
 ZERO_SLOT = "qcompile_zero_slot"
 
-__all__ = ["CacheConfig", "Engine", "GraphProgram", "Sequence"]
+__all__ = ["CacheConfig", "Engine", "GraphProgram", "LaunchedStep", "PendingToken", "Sequence"]
 
 
 @attrs.define
@@ -49,6 +51,46 @@ class Sequence:
     slot: int
     pages: list[int] = attrs.Factory(list)
     length: int = 0  # tokens already in the cache
+
+
+class LaunchedStep:
+    """A step dispatched to the device (`Engine.launch_tokens`) whose next tokens may not be back yet: `tokens()`
+    waits for them and reads them, once; `token(i)` names work item i's token without reading it, for the next step
+    to take as its input on the device (pipelined decoding)."""
+
+    def __init__(self, produced, rows: list[int]):
+        self.produced = produced  # the device array of next-token ids
+        self.rows = rows          # each work item's entry in it
+        self._tokens: list[int] | None = None
+
+    def token(self, index: int) -> "PendingToken":
+        return PendingToken(self, index)
+
+    @property
+    def read(self) -> bool:
+        return self._tokens is not None
+
+    def tokens(self) -> list[int]:
+        if self._tokens is None:
+            host = to_host(self.produced)
+            self._tokens = [int(host[row]) for row in self.rows]
+        return self._tokens
+
+
+@attrs.frozen(eq=False)
+class PendingToken:
+    """Work item `index`'s next token of a launched step, still on the device: a work item may feed it as its one
+    new token, and the step that does reads it there (or from the host, where it is back already or the engine
+    cannot take it on the device)."""
+    step: LaunchedStep
+    index: int
+
+
+@jax.jit
+def _feed_tokens(token_ids, produced, rows):
+    """token_ids with each placeholder -j (j = 1, 2, ...) replaced by produced[rows[j - 1]], on the device."""
+    fed = token_ids < 0
+    return jnp.where(fed, produced[rows[jnp.where(fed, -token_ids - 1, 0)]].astype(token_ids.dtype), token_ids)
 
 
 class MeshPlacement:
@@ -173,6 +215,10 @@ class Engine:
         self.free_slots_by_rank = [list(range(r * slots, (r + 1) * slots)) for r in range(self.ranks)]
         self.free_pages_by_rank = [list(range(r * pages, (r + 1) * pages)) for r in range(self.ranks)]
         self.last_batch: dict | None = None
+        # Pending tokens are fed on the device where the program runs on one device in one process (a mesh's
+        # program takes its batch replicated or split in every process, as numpy arrays; those are read back first).
+        self.feeds_on_device = (getattr(getattr(program, "placement", None), "mesh", None) is None
+                                and jax.process_count() == 1)
 
     @property
     def free_slots(self) -> list[int]:
@@ -342,13 +388,29 @@ class Engine:
         # artifact decoded at 26-28 tok/s with R = 32, 38-41 with R = 1).
         slots = self.cache_cfg.max_seqs // self.ranks
         rows = num_tokens if all_logits else self.ranks * min(bucket, slots)
-        items = []
+        items, source, fed = [], None, []
+
+        def host_or_placeholder(token):
+            """A token id, or for a pending token fed on the device its placeholder -j (the j-th fed)."""
+            nonlocal source
+            if not isinstance(token, PendingToken):
+                return token
+            if token.step.read or not self.feeds_on_device or source not in (None, token.step):
+                return token.step.tokens()[token.index]
+            source = token.step
+            fed.append(token.step.rows[token.index])
+            return -len(fed)
+
         for seq, tokens in work:
             self._reserve(seq, len(tokens))
-            items.append(WorkItem(seq.slot, tuple(seq.pages), seq.length, tuple(tokens)))
+            items.append(WorkItem(seq.slot, tuple(seq.pages), seq.length, tuple(map(host_or_placeholder, tokens))))
         batch, item_rows = pack_ranked(items, num_tokens=num_tokens, rows=rows, max_seqs=self.cache_cfg.max_seqs,
                                        pages_per_seq=self.pages_per_seq, pool_pages=self.sizes["P"],
                                        all_logits=all_logits, ranks=self.ranks)
+        if fed:  # one small program per token bucket: the rows padded to the bucket
+            padded = np.zeros(len(batch["token_ids"]), np.int32)
+            padded[:len(fed)] = fed
+            batch["token_ids"] = _feed_tokens(batch["token_ids"], source.produced, padded)
         self.last_batch = batch  # the packed inputs of the latest step (for probes and debugging)
         outputs = self.program(self.params, self.caches, batch, with_logits)
         self.caches = {name: outputs[name] for name in self.cache_names}
@@ -365,21 +427,29 @@ class Engine:
             return [logits[rows[0]] for rows in outputs["item_rows"]]
         return [logits[rows[0]:rows[-1] + 1] for rows in outputs["item_rows"]]
 
-    def step_tokens(self, work: list[tuple[Sequence, list[int]]], sampling: list | None = None,
+    def step_tokens(self, work: list[tuple[Sequence, list]], sampling: list | None = None,
                     counters: list[int] | None = None) -> list[int]:
         """Run one ragged step; returns the next token of each work item (only token ids leave the device): greedy,
         or drawn with sampling[i] (runtime/sampling.py) as the counters[i]-th token of its request."""
+        return self.launch_tokens(work, sampling, counters).tokens()
+
+    def launch_tokens(self, work: list[tuple[Sequence, list]], sampling: list | None = None,
+                      counters: list[int] | None = None) -> LaunchedStep:
+        """`step_tokens` without waiting for the step: dispatch it and return at once. A work item's tokens may
+        hold pending tokens of an earlier launched step (`LaunchedStep.token(i)`), which this step takes on the
+        device: a decode loop launches step N + 1 before it reads step N's tokens, so the host's part of a step
+        (packing, dispatch: ~1 ms) runs while the device computes the one before (one sequence of the bench preset:
+        11.7 ms a step read back each time, 9.8 ms pipelined; docs/benchmarks.md)."""
         if sampling is None or all(p.greedy for p in sampling):
             outputs = self._run(work, False, False)
-            tokens = to_host(outputs[NEXT_TOKENS])
-            return [int(tokens[rows[0]]) for rows in outputs["item_rows"]]
+            return LaunchedStep(outputs[NEXT_TOKENS], [rows[0] for rows in outputs["item_rows"]])
         # An artifact exports logits with its R = T buckets only (R = B ones return greedy ids): sample from those,
         # each item's last row.
         all_rows = not getattr(self.program, "samples", True)
         outputs = self._run(work, all_rows, True)
         drawn = sample(outputs[LOGITS], [rows[-1] for rows in outputs["item_rows"]], sampling,
                        counters if counters is not None else [0] * len(work))
-        return [int(t) for t in to_host(drawn)[:len(work)]]
+        return LaunchedStep(drawn, list(range(len(work))))
 
     def prefill(self, work: list[tuple[Sequence, list[int]]], all_logits: bool = False,
                 with_logits: bool = True) -> list:
@@ -417,7 +487,8 @@ class Engine:
         A sequence stops after `max_new_tokens` tokens ("length") or after emitting one of `eos_ids` ("eos", the
         EOS token included in its tokens). Returns tokens and finish_reasons per prompt, plus prompt_logits
         ([n, V] per prompt) and step_logits ([V] per generated token) when asked; otherwise only token ids leave
-        the device.
+        the device, and each step is launched on the tokens of the one before still on the device (a sequence whose
+        token turns out to be EOS then drops the one extra token made for it).
         """
         if max_new_tokens < 1:
             raise UsageError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
@@ -448,23 +519,37 @@ class Engine:
 
             for index in range(len(prompts)):
                 finish(index)
-            while True:
+            while step_logits:
                 live = [i for i, r in enumerate(reasons) if r is None]
                 if not live:
                     break
-                work = [(seqs[i], [tokens[i][-1]]) for i in live]
-                if step_logits:
-                    outs = self.step(work)
-                    nexts = [int(np.argmax(x)) for x in outs]
-                    for i, x in zip(live, outs):
-                        kept[i].append(x)
-                else:
-                    nexts = self.step_tokens(work)
-                for i, t in zip(live, nexts):
-                    tokens[i].append(t)
+                outs = self.step([(seqs[i], [tokens[i][-1]]) for i in live])
+                for i, x in zip(live, outs):
+                    kept[i].append(x)
+                    tokens[i].append(int(np.argmax(x)))
                     finish(i)
                 if progress:
                     progress()
+            # Token ids only: pipelined — step N + 1 is launched on step N's tokens before they are read, for every
+            # sequence that may go on (one that then turns out to have emitted EOS drops its extra token).
+            launched, launched_for = None, []
+            while not step_logits:
+                ahead = {i: k for k, i in enumerate(launched_for)}
+                live = [i for i, r in enumerate(reasons)
+                        if r is None and len(tokens[i]) + (i in ahead) < max_new_tokens]
+                if not live and launched is None:
+                    break
+                following = self.launch_tokens(
+                    [(seqs[i], [launched.token(ahead[i]) if i in ahead else tokens[i][-1]]) for i in live]) \
+                    if live else None
+                if launched is not None:
+                    for i, t in zip(launched_for, launched.tokens()):
+                        if reasons[i] is None:
+                            tokens[i].append(t)
+                            finish(i)
+                    if progress:
+                        progress()
+                launched, launched_for = following, live
         finally:
             for seq in seqs:
                 self.release(seq)
