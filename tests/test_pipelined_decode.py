@@ -101,3 +101,27 @@ def test_generate_stops_at_eos_found_a_step_late(model, read_back):
     assert out["tokens"][1] == other
     plain = _engine(model).generate(PROMPTS, STEPS + 1)
     assert plain["tokens"] == read_back and plain["finish_reasons"] == ["length", "length"]
+
+
+def test_the_scheduler_launches_each_step_before_reading_the_one_in_flight(model, read_back, monkeypatch):
+    """Continuous batching pipelines too: every step after the first is launched while the one before is unread,
+    and each request gets the tokens of steps read back one at a time; a request does not get a step past its max
+    new tokens (no step is launched after the last tokens)."""
+    from qcompile.runtime.engine import Engine
+    from qcompile.runtime.scheduler import Request, Scheduler
+
+    launched: list[LaunchedStep] = []
+    unread = []
+    real = Engine.launch_tokens
+
+    def recording(self, work, sampling=None, counters=None):
+        if launched:
+            unread.append(not launched[-1].read)
+        launched.append(real(self, work, sampling, counters))
+        return launched[-1]
+
+    monkeypatch.setattr(Engine, "launch_tokens", recording)
+    requests = [Request(p, STEPS + 1, id=i) for i, p in enumerate(PROMPTS)]
+    Scheduler(_engine(model)).run(requests)
+    assert [r.tokens for r in requests] == read_back
+    assert unread == [True] * STEPS  # the prefill step, then STEPS decode steps, each launched ahead

@@ -386,7 +386,7 @@ def test_an_engine_failure_ends_streams_with_an_error_and_done(model, capsys):
     [DONE] hung before), a plain request a 500 with the error object, /health a 503 naming the error, and the
     operator the reason on stderr."""
     engine = model.engine(CacheConfig(max_seqs=2, max_context=48, max_step_tokens=8))
-    real, calls = engine.step_tokens, []
+    real, calls = engine.launch_tokens, []
 
     def failing(*args, **kwargs):
         calls.append(1)
@@ -394,7 +394,7 @@ def test_an_engine_failure_ends_streams_with_an_error_and_done(model, capsys):
             raise RuntimeError("the accelerator fell over")
         return real(*args, **kwargs)
 
-    engine.step_tokens = failing
+    engine.launch_tokens = failing  # what the scheduler calls (step_tokens launches too)
     srv = Server(engine, None)
     try:
         body = {"prompt": [5, 6, 7], "max_tokens": 20, "temperature": 0}

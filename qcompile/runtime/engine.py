@@ -8,8 +8,8 @@ and decode tokens mixed freely) with `ir.abi.pack_batch`, pads it to a power-of-
 program with the caches donated so they are updated in place. Greedy sampling happens on the device: a decode step
 brings back one token id per sequence, and logits only when asked. A sequence owns one GDN state slot (zeroed when
 it is admitted) and KV pages allocated as it grows. `launch_tokens` dispatches a step without waiting for it, and a
-decode step may take the tokens of the step before on the device (pipelined decoding: `generate` and `bench`'s waves
-pack and dispatch step N + 1 while step N computes).
+decode step may take the tokens of the step before on the device (pipelined decoding: `generate`, `bench`'s waves and
+the scheduler pack and dispatch step N + 1 while step N computes).
 
 On a graph laid out with attention data parallelism (gqa-sharding; `ranks` > 1) each rank has its own share of the
 slots and of the page pool (ir/abi.py): a new sequence goes to the rank with the most free slots, its pages come from
@@ -245,18 +245,26 @@ class Engine:
         """Compile, ahead of any step, every bucket a step without prompt logits can use: T = 1, 2, 4, ... up to the
         largest step, with min(T, max_seqs) logit rows (so a server's first requests do not wait for XLA). With
         `sampling`, also the buckets that return logits and the on-device sampler for each (what a step with a
-        sampled request runs)."""
+        sampled request runs). And the small program that feeds a pipelined step the tokens of the one before
+        (~60 ms of XLA each, for each bucket after each size of result: a mixed stream meets most of them)."""
         tokens, _ = self.largest_step()
         caches = cache_specs(self.program.cache_types, self.sizes)
-        t, slots = 1, self.cache_cfg.max_seqs // self.ranks
+        t, slots, buckets, produced = 1, self.cache_cfg.max_seqs // self.ranks, [], set()
         while t * self.ranks <= tokens:
             rows = self.ranks * min(t, slots)
             batch = batch_specs(t * self.ranks, rows, self.sizes, self.ranks)
             self.program.executable(self.params, caches, batch, False)
+            buckets.append(t)
+            produced.add(rows)  # the size of the token ids this bucket gives the next step
             if sampling:
                 logits = self.program.executable(self.params, caches, batch, True).out_info[LOGITS]
                 warm_sampler(tuple(logits.shape), logits.dtype)
+                produced.add(int(logits.shape[0]))  # the sampler's result: one draw per logits row
             t *= 2
+        if self.feeds_on_device:  # the token feed of a pipelined step, for every bucket after every result size
+            for t in buckets:
+                for n in sorted(produced):
+                    _feed_tokens(np.zeros(t, np.int32), jnp.zeros(n, jnp.int32), np.zeros(t, np.int32))
 
     def _fit_pool(self, budget: int) -> None:
         """Without --num-pages, a budget that cannot hold every slot at max_context gets the KV pool that fits it

@@ -14,6 +14,13 @@ meanwhile; served workloads keep the batch full instead. Policy, per step:
     4. one engine step (greedy, or each request's own sampling, on the device; only token ids come back); a request whose last prompt chunk or decode
        token ran gets its next token, and finishes on a stop id or at its max new tokens, freeing its slot and pages.
 
+Steps are pipelined (Engine.launch_tokens): `step()` plans and launches the next step on top of the one in flight —
+its decode tokens taken on the device, requests that reach their max new tokens with the step in flight left out —
+and only then reads the step in flight and returns its tokens. So the host's planning, packing and dispatch overlap
+the device's step. A request whose token turns out to be a stop id has had one more token made for it, which is
+dropped; a plan that would need a preemption is not launched ahead: the step in flight is read first and the next
+call plans on what it made, as without pipelining.
+
 With data-parallel ranks (engine.ranks > 1) pages are counted per rank: a request is admitted when the rank it
 would go to has the pages, and the request preempted is the youngest on a rank whose plan outgrows its pool.
 
@@ -32,7 +39,7 @@ from collections.abc import Iterable, Iterator
 import attrs
 
 from qcompile.errors import UsageError
-from qcompile.runtime.engine import Engine, Sequence
+from qcompile.runtime.engine import Engine, LaunchedStep, PendingToken, Sequence
 from qcompile.runtime.sampling import GREEDY, Sampling
 
 
@@ -62,6 +69,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.steps = 0
         self.preemptions = 0  # requests preempted (and later recomputed) so far
+        # the step launched and not read yet, with its plan
+        self._in_flight: tuple[LaunchedStep, list[tuple[Request, list, bool]]] | None = None
 
     def _pages(self, request: Request) -> int:
         return math.ceil((len(request.prompt) + request.max_new_tokens) / self.engine.page_size)
@@ -135,12 +144,19 @@ class Scheduler:
         self.running.remove(request)
         self.waiting.appendleft(request)
 
-    def _plan(self) -> list[tuple[Request, list[int], bool]]:
-        """(request, tokens to feed, whether its next token comes out) for one step under the budget."""
+    def _plan(self, pending: dict | None = None) -> list[tuple[Request, list, bool]]:
+        """(request, tokens to feed, whether its next token comes out) for one step under the budget. `pending`:
+        the requests that get a token from the step in flight -> that token (still on the device); a request
+        whose pending token is its last (max new tokens) sits this step out."""
         plan, left = [], self.budget
         for request in self.running:
             if request.prefilled == len(request.feed) and left > 0:
-                plan.append((request, [request.tokens[-1]], True))
+                if pending and request in pending:
+                    if len(request.tokens) + 1 >= request.max_new_tokens:
+                        continue
+                    plan.append((request, [pending[request]], True))
+                else:
+                    plan.append((request, [request.tokens[-1]], True))
                 left -= 1
         for request in self.running:
             rest = len(request.feed) - request.prefilled
@@ -161,7 +177,19 @@ class Scheduler:
         return None
 
     def step(self) -> list[tuple[Request, int]]:
-        """One engine step; returns the (request, new token) pairs it made (empty when nothing is left to do)."""
+        """One engine step: launch the next step (planned on top of the one in flight, if any), then read the step
+        in flight; returns the (request, new token) pairs it made (empty when nothing is left to do)."""
+        if self._in_flight is None:
+            self._in_flight = self._launch(self._plan_now())
+            if self._in_flight is None:
+                return []
+        following = self._launch_ahead()
+        made = self._read(*self._in_flight)
+        self._in_flight = following
+        return made
+
+    def _plan_now(self) -> list[tuple[Request, list, bool]]:
+        """Admit, plan, and preempt until the plan fits the pages (nothing in flight)."""
         self._admit()
         plan = self._plan()
         while len(self.running) > 1:
@@ -171,19 +199,42 @@ class Scheduler:
             # A request needs at most a rank's pool (submit), so a short rank runs two or more: preempt its youngest.
             self._preempt([r for r in self.running if self._rank(r) == short][-1])
             plan = self._plan()
+        return plan
+
+    def _launch_ahead(self):
+        """The next step planned on top of the one in flight and launched, or None: nothing to plan, or the plan
+        would need a preemption (the step in flight is read first, and the next call plans without it)."""
+        step, plan = self._in_flight
+        pending = {request: step.token(index) for index, (request, _, emits) in enumerate(plan)
+                   if emits and request.finish_reason is None}
+        self._admit()
+        ahead = self._plan(pending)
+        if self._short_rank(ahead) is not None:
+            return None
+        return self._launch(ahead)
+
+    def _launch(self, plan):
+        """Launch `plan` (its prompt chunks marked fed); (the launched step, plan), or None for an empty plan."""
         if not plan:
-            return []
+            return None
+        counters = []
         for request, tokens, _ in plan:
             if request.prefilled < len(request.feed):
                 request.prefilled += len(tokens)
-        nexts = self.engine.step_tokens([(request.seq, tokens) for request, tokens, _ in plan],
-                                        [request.sampling for request, _, _ in plan],
-                                        [len(request.tokens) for request, _, _ in plan])
+            counters.append(len(request.tokens) + isinstance(tokens[0], PendingToken))
+        launched = self.engine.launch_tokens([(request.seq, tokens) for request, tokens, _ in plan],
+                                             [request.sampling for request, _, _ in plan], counters)
         self.steps += 1
+        return launched, plan
+
+    def _read(self, step: LaunchedStep, plan) -> list[tuple[Request, int]]:
+        """The tokens of a launched step, given to the requests that were waiting for them (not to one that has
+        finished since it was launched: a stop id in the step before, or cancelled)."""
+        nexts = step.tokens()
         now = time.perf_counter()
         made = []
         for (request, _, emits), token in zip(plan, nexts):
-            if not emits:
+            if not emits or request.finish_reason is not None:
                 continue
             request.tokens.append(token)
             request.first_token_at = request.first_token_at or now
