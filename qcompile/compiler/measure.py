@@ -360,24 +360,31 @@ def bench_engine_rate(engine, label: str, passes: str, prompts: list[list[int]],
     return m
 
 
+def _record_step(engine, phase: str, seconds: float, new: list[int], contexts: list[int], m: Measurement | None,
+                 roofline: Roofline | None, probes: dict, graph: Graph | None, target: str) -> None:
+    """Adds a step of `phase` (prefill | decode) that took `seconds` for `new` tokens a row to `m`, with its roofline
+    time at `contexts`. The first step of each phase also probes the experts its batch (`engine.last_batch`, so the
+    step just run) routes to, after its time was taken."""
+    if graph is not None and probes[phase] is None:
+        probes[phase] = probe_experts(graph, target, engine.params, engine.caches, engine.last_batch)
+    if m is not None:
+        setattr(m, f"{phase}_seconds", getattr(m, f"{phase}_seconds") + seconds)
+        setattr(m, f"{phase}_tokens", getattr(m, f"{phase}_tokens") + sum(new))
+        if roofline is not None:
+            m.add_roofline(phase, roofline, new, contexts, len(new), probes[phase])
+
+
 def _timed_step(engine, work, phase: str, m: Measurement | None, roofline: Roofline | None, probes: dict,
                 graph: Graph | None, target: str, sampling: list[Sampling] | None = None,
                 counters: list[int] | None = None) -> tuple[list[int], float]:
-    """One engine step of `phase` (prefill | decode), timed and added to `m` with its roofline time; the first step
-    of each phase also probes the experts its batch routes to. Returns the next tokens (greedy, or drawn with
-    sampling[i] as the counters[i]-th token of its request) and the step's end time."""
+    """One engine step of `phase`, run to its tokens and recorded (`_record_step`). Returns the next tokens (greedy,
+    or drawn with sampling[i] as the counters[i]-th token of its request) and the step's end time."""
     new = [len(tokens) for _, tokens in work]
     contexts = [seq.length + n for (seq, _), n in zip(work, new)]
     started = time.perf_counter()
     nexts = engine.step_tokens(work, sampling, counters)
     ended = time.perf_counter()
-    if graph is not None and probes[phase] is None:
-        probes[phase] = probe_experts(graph, target, engine.params, engine.caches, engine.last_batch)
-    if m is not None:
-        setattr(m, f"{phase}_seconds", getattr(m, f"{phase}_seconds") + ended - started)
-        setattr(m, f"{phase}_tokens", getattr(m, f"{phase}_tokens") + sum(new))
-        if roofline is not None:
-            m.add_roofline(phase, roofline, new, contexts, len(work), probes[phase])
+    _record_step(engine, phase, ended - started, new, contexts, m, roofline, probes, graph, target)
     return nexts, ended
 
 
@@ -420,13 +427,7 @@ def _serve_wave(engine, prompts, output_len, m: Measurement | None, roofline: Ro
             t1 = time.perf_counter()
             for times in token_times:
                 times.append(t1)
-            if graph is not None and probes["decode"] is None:
-                probes["decode"] = probe_experts(graph, target, engine.params, engine.caches, engine.last_batch)
-            if m is not None:
-                m.decode_seconds += t1 - mark
-                m.decode_tokens += len(seqs)
-                if roofline is not None:
-                    m.add_roofline("decode", roofline, [1] * len(seqs), contexts, len(seqs), probes["decode"])
+            _record_step(engine, "decode", t1 - mark, [1] * len(seqs), contexts, m, roofline, probes, graph, target)
             mark = time.perf_counter()
             stop()
 
