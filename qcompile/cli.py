@@ -673,13 +673,19 @@ def bench_cmd(source, url, workload, scale, input_len, output_len, concurrency, 
 @click.option("--no-warmup", is_flag=True, help="Compile each shape bucket on first use instead of before serving.")
 @click.option("--mesh", "mesh_spec", metavar="SPEC",
               help="Lay the model out on a device mesh (8, 4x2) with gqa-sharding (checkpoint only).")
+@click.option("--chat-template", "chat_template_path", type=click.Path(path_type=Path), metavar="FILE",
+              help="A Jinja chat template for /v1/chat/completions [default: the tokenizer's chat_template.jinja, "
+                   "else tokenizer_config.json's chat_template].")
 def serve_cmd(source, host, port, served_model_name, passes_spec, dtype, max_seqs, max_context, num_pages,
-              max_step_tokens, memory_budget, verify, no_warmup, mesh_spec):
-    """Serve CHECKPOINT (or an artifact) over HTTP with OpenAI's completions API (docs/serving.md).
+              max_step_tokens, memory_budget, verify, no_warmup, mesh_spec, chat_template_path):
+    """Serve CHECKPOINT (or an artifact) over HTTP with OpenAI's completions and chat APIs (docs/serving.md).
 
     \b
     POST /v1/completions   prompt as text or token ids; max_tokens, temperature, top_p, top_k, seed, n, stop,
                            stop_token_ids, ignore_eos, stream (server-sent events); choices carry token_ids
+    POST /v1/chat/completions
+                           messages rendered with the model's chat template; the same options, and
+                           max_completion_tokens, chat_template_kwargs (e.g. {"enable_thinking": false})
     GET  /v1/models        the served model, its max_model_len and vocab_size
     GET  /health           200 while the engine runs, 503 when it has stopped
     GET  /metrics          Prometheus: running/waiting requests, KV pages, tokens/s, TTFT and ITL histograms
@@ -711,6 +717,10 @@ def serve_cmd(source, host, port, served_model_name, passes_spec, dtype, max_seq
                              "when it was compiled")
     elif not Path(source).exists():
         raise CheckpointError(f"{source}: no such file or directory")
+    from qcompile.frontend.chat import load_chat_template
+
+    tokenizer_dir = _tokenizer_dir(source)
+    chat_template = load_chat_template(tokenizer_dir, chat_template_path)  # a bad template fails before loading
     mesh = _setup_mesh(mesh_spec)
     sock = bind(host, port)  # before loading: a taken port fails in a second, not after minutes
     try:
@@ -745,7 +755,6 @@ def serve_cmd(source, host, port, served_model_name, passes_spec, dtype, max_seq
             eos_ids, vocab = tuple(ckpt.config.eos_token_ids), ckpt.config.vocab_size
         if engine.pool_note:
             click.echo(f"qcompile: {engine.pool_note}", err=True)
-        tokenizer_dir = _tokenizer_dir(source)
         tokenizer = None
         if (tokenizer_dir / "tokenizer.json").is_file():
             from qcompile.frontend.tokenizer import load_tokenizer
@@ -754,6 +763,9 @@ def serve_cmd(source, host, port, served_model_name, passes_spec, dtype, max_seq
         else:
             click.echo(f"qcompile: no tokenizer.json beside {source}: prompts must be token ids, and choices carry "
                        "token_ids with empty text", err=True)
+        if tokenizer is not None and chat_template is None:
+            click.echo(f"qcompile: no chat template beside {source} (chat_template.jinja, or tokenizer_config.json's "
+                       "chat_template): /v1/chat/completions answers 400; --chat-template FILE gives one", err=True)
         if not no_warmup:
             click.echo("qcompile: compiling the step's shape buckets before serving (--no-warmup skips this)",
                        err=True)
@@ -765,7 +777,7 @@ def serve_cmd(source, host, port, served_model_name, passes_spec, dtype, max_seq
         loop = EngineLoop(Scheduler(engine), metrics.on_state)
         metrics.on_state(loop.state())
         loop.start()
-        app = create_app(loop, info, tokenizer, metrics)
+        app = create_app(loop, info, tokenizer, metrics, chat_template)
         bound = sock.getsockname()
         shown = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
         click.echo(f"qcompile: serving {name} on http://{shown}:{bound[1]} ({engine.cache_cfg.max_seqs} sequences "

@@ -4,7 +4,8 @@
 What must hold: concurrent requests of different lengths get exactly the greedy tokens each gets alone, also under
 preemption in a deliberately small page pool; streaming sends the same tokens and text as a plain request; stop
 strings cut the text before them; a client that goes away — streaming or not — gets its slot and pages freed; bad
-requests get 400 (404 for an unknown model) with an error naming the field; /health, /v1/models, /metrics answer.
+requests get 400 (404 for an unknown model) with an error naming the field; /health, /v1/models, /metrics answer;
+a chat request is the completion of its messages rendered by the chat template, in OpenAI's chat shapes.
 """
 
 from __future__ import annotations
@@ -64,12 +65,12 @@ def alone(model):
 class Server:
     """A uvicorn server on 127.0.0.1 (any free port) over an engine loop, in a thread of this process."""
 
-    def __init__(self, engine, tokenizer, eos_ids=()):
+    def __init__(self, engine, tokenizer, eos_ids=(), chat_template=None):
         self.engine = engine
         self.metrics = Metrics()
         self.loop = EngineLoop(Scheduler(engine), self.metrics.on_state).start()
         self.info = ModelInfo("small", 512, engine.cache_cfg.max_context, tuple(eos_ids))
-        app = create_app(self.loop, self.info, tokenizer, self.metrics)
+        app = create_app(self.loop, self.info, tokenizer, self.metrics, chat_template)
         sock = bind("127.0.0.1", 0)
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
         self.server = uvicorn_server(app, sock)
@@ -97,9 +98,17 @@ class Server:
 
 
 @pytest.fixture(scope="module")
-def server(model, tokenizer):
+def chat_template():
+    from qcompile.frontend.chat import TINY_CHAT_TEMPLATE, ChatTemplate
+
+    return ChatTemplate.compile(TINY_CHAT_TEMPLATE, "init-tiny's", {"bos_token": "<s>", "eos_token": "</s>"})
+
+
+@pytest.fixture(scope="module")
+def server(model, tokenizer, chat_template):
     """Three slots and 5 pages of 16 tokens: the five prompts queue for slots, and their decodes outgrow the pool."""
-    srv = Server(model.engine(CacheConfig(max_seqs=3, max_context=48, num_pages=5, max_step_tokens=8)), tokenizer)
+    srv = Server(model.engine(CacheConfig(max_seqs=3, max_context=48, num_pages=5, max_step_tokens=8)), tokenizer,
+                 chat_template=chat_template)
     yield srv
     srv.close()
 
@@ -337,7 +346,8 @@ def test_malformed_bodies_and_the_other_endpoints(server):
 
 def test_unknown_routes_and_methods_answer_with_openais_error_object(server):
     """A client parses every error as OpenAI's {"error": {...}} (plain-text 404 / 405 before)."""
-    for response, status, words in ((httpx.get(server.url + "/v1/chat/completions"), 404, "/v1/completions"),
+    for response, status, words in ((httpx.get(server.url + "/v1/chat/complete"), 404, "/v1/chat/completions"),
+                                    (httpx.get(server.url + "/v1/chat/completions"), 405, "GET"),
                                     (httpx.get(server.url + "/v1/completions"), 405, "GET"),
                                     (httpx.delete(server.url + "/v1/models"), 405, "DELETE")):
         assert response.status_code == status
@@ -433,6 +443,108 @@ def test_the_tokens_per_second_gauge_falls_to_zero_when_idle(server):
         server.loop.window = window
 
 
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is a compiler?"}]
+
+
+def test_a_chat_request_is_the_completion_of_its_rendered_messages(server, tokenizer, chat_template):
+    """The messages rendered by the template and encoded give the same greedy tokens and text as /v1/completions
+    on those ids, in OpenAI's chat shape; without a limit a reply may run to the end of the context."""
+    from qcompile.frontend.chat import encode_chat
+
+    ids = encode_chat(tokenizer, chat_template, CHAT)
+    plain = httpx.post(server.url + "/v1/completions", json={"prompt": ids, "max_tokens": 7, "temperature": 0},
+                       timeout=60).json()
+    chat = httpx.post(server.url + "/v1/chat/completions",
+                      json={"messages": CHAT, "max_completion_tokens": 7, "temperature": 0}, timeout=60).json()
+    assert chat["object"] == "chat.completion" and chat["id"].startswith("chatcmpl-") and chat["model"] == "small"
+    choice = chat["choices"][0]
+    assert choice["message"] == {"role": "assistant", "content": plain["choices"][0]["text"]}
+    assert choice["token_ids"] == plain["choices"][0]["token_ids"] and choice["finish_reason"] == "length"
+    assert chat["usage"] == plain["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 7,
+                                               "total_tokens": len(ids) + 7}
+    # max_tokens (the older name) is the same limit; none given: the rest of the 48-token context
+    old_name = httpx.post(server.url + "/v1/chat/completions",
+                          json={"messages": CHAT, "max_tokens": 7, "temperature": 0}, timeout=60).json()
+    assert old_name["choices"][0]["token_ids"] == choice["token_ids"]
+    whole = httpx.post(server.url + "/v1/chat/completions", json={"messages": CHAT, "temperature": 0},
+                       timeout=60).json()
+    assert whole["usage"]["completion_tokens"] == 48 - len(ids) and whole["choices"][0]["finish_reason"] == "length"
+    assert whole["choices"][0]["token_ids"][:7] == choice["token_ids"]
+    # the template's options: no generation prompt, or a variable it reads, change the prompt it gets
+    short = [{"role": "user", "content": "Hi"}]
+    kwargs = httpx.post(server.url + "/v1/chat/completions",
+                        json={"messages": short, "max_tokens": 2, "chat_template_kwargs": {"enable_thinking": False}},
+                        timeout=60).json()
+    thinking = encode_chat(tokenizer, chat_template, short, variables={"enable_thinking": False})
+    assert kwargs["usage"]["prompt_tokens"] == len(thinking) > len(encode_chat(tokenizer, chat_template, short))
+    closed = httpx.post(server.url + "/v1/chat/completions",
+                        json={"messages": CHAT, "max_tokens": 2, "add_generation_prompt": False}, timeout=60).json()
+    assert closed["usage"]["prompt_tokens"] == len(encode_chat(tokenizer, chat_template, CHAT, False)) < len(ids)
+    server.wait_pool_full()
+
+
+def test_a_streamed_chat_names_the_role_first_and_adds_up_to_the_reply(server):
+    body = {"messages": CHAT, "max_completion_tokens": 9, "temperature": 0, "n": 2, "stream": True,
+            "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=60) as response:
+        assert response.status_code == 200
+        chunks = _sse(response.read().decode())
+    *pieces, usage = chunks
+    assert {c["object"] for c in chunks} == {"chat.completion.chunk"} and len({c["id"] for c in chunks}) == 1
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 18
+    plain = httpx.post(server.url + "/v1/chat/completions", json={**body, "stream": False, "stream_options": None},
+                       timeout=60).json()
+    for index in (0, 1):
+        mine = [c["choices"][0] for c in pieces if c["choices"][0]["index"] == index]
+        assert mine[0]["delta"]["role"] == "assistant" and all("role" not in c["delta"] for c in mine[1:])
+        assert "".join(c["delta"].get("content", "") for c in mine) == \
+            plain["choices"][index]["message"]["content"]
+        assert sum((c["token_ids"] for c in mine), []) == plain["choices"][index]["token_ids"]
+        assert [c["finish_reason"] for c in mine][-1] == "length" and mine[-1]["delta"].keys() <= {"content"}
+    server.wait_pool_full()
+
+
+@pytest.mark.parametrize("body, param, words", [
+    ({}, "messages", "non-empty list"),
+    ({"messages": []}, "messages", "non-empty list"),
+    ({"messages": [{"content": "hi"}]}, "messages", "string 'role'"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages", "must be text"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages",
+     "text only"),
+    ({"messages": [{"role": "tool", "content": "42"}]}, "messages", "not tool"),  # the template refuses it
+    ({"messages": [{"role": "user", "content": "word " * 60}]}, "messages", "context"),
+    ({"messages": CHAT, "max_completion_tokens": 40}, "max_completion_tokens", "context"),
+    ({"messages": CHAT, "max_tokens": 0}, "max_tokens", "max_tokens"),
+    ({"messages": CHAT, "prompt": "hi"}, "prompt", "unknown field"),
+    ({"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "not supported"),
+    ({"messages": CHAT, "logprobs": True}, "logprobs", "not supported"),
+    ({"messages": CHAT, "response_format": {"type": "json_object"}}, "response_format", "not supported"),
+    ({"messages": CHAT, "chat_template_kwargs": [1]}, "chat_template_kwargs", "object"),
+    ({"messages": CHAT, "chat_template_kwargs": {"messages": []}}, "messages", "may not be named"),
+    ({"messages": CHAT, "add_generation_prompt": "yes"}, "add_generation_prompt", "true or false"),
+    ({"messages": CHAT, "model": "gpt-4o"}, "model", "does not exist"),
+])
+def test_bad_chat_requests_get_an_error_naming_the_field(server, body, param, words):
+    response = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=30)
+    assert response.status_code == (404 if param == "model" else 400)
+    error = response.json()["error"]
+    assert error["param"] == param and words in error["message"], error
+
+
+def test_parse_chat_without_a_template_or_tokenizer_says_what_to_do(tokenizer, chat_template):
+    from qcompile.runtime.server import parse_chat
+
+    info = ModelInfo("m", 512, 64, (2,))
+    defaults = {"logprobs": False, "top_logprobs": 0, "tools": [], "tool_choice": "none", "parallel_tool_calls": True,
+                "response_format": {"type": "text"}, "presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}}
+    parsed = parse_chat({"messages": CHAT, **defaults}, info, tokenizer, chat_template)
+    assert parsed.stop_ids == (2,) and parsed.max_tokens == 64 - len(parsed.prompts[0])
+    for tokenizer_, template, words in ((tokenizer, None, "--chat-template FILE"), (None, chat_template, "token ids")):
+        with pytest.raises(BadRequest) as err:
+            parse_chat({"messages": CHAT}, info, tokenizer_, template)
+        assert err.value.param == "messages" and words in err.value.message
+
+
 def test_parse_completion_defaults_and_refusals():
     info = ModelInfo("m", 100, 64, (2,))
     parsed = parse_completion({"prompt": [5, 6]}, info)
@@ -511,11 +623,16 @@ def test_a_signal_ends_requests_in_flight_with_abort(model):
 
 
 def test_the_serve_command_starts_answers_and_stops_on_ctrl_c(model, tmp_path):
-    """The real command: port 0, the address printed on stderr; SIGINT stops it with exit 0. A taken port and a
-    missing checkpoint are one-line errors (exit 2 and 65)."""
+    """The real command: port 0, the address printed on stderr; SIGINT stops it with exit 0. A taken port, a
+    missing checkpoint and an unreadable --chat-template are one-line errors (exit 2, 65 and 2)."""
+    from qcompile.frontend.chat import TINY_CHAT_TEMPLATE
+
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
+    # the checkpoint has no template, nor a tokenizer_config.json naming its special tokens
+    (tmp_path / "chat.jinja").write_text('{%- set bos_token, eos_token = "<s>", "</s>" %}\n' + TINY_CHAT_TEMPLATE)
     command = [sys.executable, "-m", "qcompile.cli", "serve", str(model.checkpoint.path), "--port", "0",
-               "--passes", "none", "--verify", "none", "--no-warmup", "--max-seqs", "2", "--max-context", "32"]
+               "--passes", "none", "--verify", "none", "--no-warmup", "--max-seqs", "2", "--max-context", "32",
+               "--chat-template", str(tmp_path / "chat.jinja")]
     proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env)
     try:
         url, seen = None, []
@@ -529,6 +646,9 @@ def test_the_serve_command_starts_answers_and_stops_on_ctrl_c(model, tmp_path):
         got = httpx.post(url + "/v1/completions", json={"prompt": "A compiler", "max_tokens": 3, "temperature": 0},
                          timeout=120).json()
         assert len(got["choices"][0]["token_ids"]) == 3
+        chat = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
+                                                              "max_tokens": 2}, timeout=120).json()
+        assert chat["choices"][0]["message"]["role"] == "assistant" and len(chat["choices"][0]["token_ids"]) == 2
         port = int(url.rsplit(":", 1)[1])
         taken = subprocess.run([*command[:5], "--port", str(port)], capture_output=True, text=True, env=env,
                                timeout=120)
@@ -543,6 +663,10 @@ def test_the_serve_command_starts_answers_and_stops_on_ctrl_c(model, tmp_path):
     missing = subprocess.run([*command[:4], str(tmp_path / "nothing")], capture_output=True, text=True, env=env,
                              timeout=120)
     assert missing.returncode == 65 and "no such file or directory" in missing.stderr  # bad input, as everywhere
+    template = subprocess.run([*command[:-1], str(tmp_path / "absent.jinja")], capture_output=True, text=True,
+                              env=env, timeout=120)
+    assert template.returncode == 2 and "cannot read the chat template" in template.stderr
+    assert len(template.stderr.strip().splitlines()) == 1
 
 
 def test_bench_url_measures_the_server_with_the_in_process_metrics(server):

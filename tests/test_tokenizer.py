@@ -73,8 +73,8 @@ def test_prompt_errors_are_one_line_exit_2(tiny, tmp_path, capsys):
 
 
 def test_an_artifact_keeps_the_tokenizer_and_runs_text_alone(tiny, tmp_path, capsys):
-    """`-o` with copied weights copies tokenizer.json (hashed in the manifest) so `run --prompt` needs no
-    checkpoint; the text equals the checkpoint's run."""
+    """`-o` with copied weights copies tokenizer.json, its config and the chat template (hashed in the manifest) so
+    `run --prompt` and `serve`'s chat need no checkpoint; the text equals the checkpoint's run."""
     import shutil
 
     source = tmp_path / "src"
@@ -85,7 +85,8 @@ def test_an_artifact_keeps_the_tokenizer_and_runs_text_alone(tiny, tmp_path, cap
     assert done.value.code == 0
     capsys.readouterr()
     manifest = json.loads((tmp_path / "art" / "manifest.json").read_text())
-    assert "tokenizer.json" in manifest["files"]
+    assert {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja"} <= set(manifest["files"])
+    assert (tmp_path / "art" / "chat_template.jinja").read_text() == (source / "chat_template.jinja").read_text()
     want = _run(capsys, source, "--prompt", "A compiler", "--max-new-tokens", "5", "--ignore-eos")[1]
     shutil.rmtree(source)
     code, out, err = _run(capsys, tmp_path / "art", "--prompt", "A compiler", "--max-new-tokens", "5", "--ignore-eos")

@@ -27,6 +27,7 @@ import qcompile
 from qcompile.errors import UsageError
 from qcompile.frontend.checkpoint import Checkpoint
 from qcompile.frontend.safetensors_io import aligned_order, stream_safetensors
+from qcompile.frontend.tokenizer import TOKENIZER_FILES
 from qcompile.ir.abi import (BATCH_INPUTS, LOGITS, CacheConfig, batch_specs, bucket_shapes, cache_specs,
                              data_parallel_ranks, graph_cache_types)
 from qcompile.ir.graph import Graph
@@ -236,7 +237,7 @@ def _copy_tokenizer(out: Path, checkpoint) -> dict[str, dict]:
         return {}
     copied = {}
     for rel, path in checkpoint.files().items():
-        if Path(rel).name in ("tokenizer.json", "tokenizer_config.json") and Path(rel).parent == Path("."):
+        if Path(rel).name in TOKENIZER_FILES and Path(rel).parent == Path("."):
             shutil.copyfile(path, out / rel)
             copied[rel] = {"sha256": sha256_file(out / rel), "bytes": (out / rel).stat().st_size}
     return copied

@@ -197,7 +197,7 @@ class Checkpoint:
         return cls(Path(path), config, store, params, ignored, unknown)
 
     #: Files beside config.json that a linked artifact keeps with the weights (tokenizer for text prompts).
-    COMPANIONS = ("generation_config.json", "tokenizer.json", "tokenizer_config.json")
+    COMPANIONS = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
     def files(self) -> dict[str, Path]:
         """Every file this checkpoint is read from — config.json, the index if any, each shard — plus the

@@ -30,11 +30,12 @@ import ml_dtypes
 import numpy as np
 
 from qcompile.errors import UsageError, one_line
+from qcompile.frontend.chat import CHAT_TEMPLATE_FILE, TINY_CHAT_TEMPLATE, TOKENIZER_CONFIG_FILE
 from qcompile.frontend.checkpoint import canonical_params
 from qcompile.frontend.config import parse_config
 from qcompile.frontend.quantization import parse_quantization, quantize
 from qcompile.frontend.safetensors_io import write_safetensors
-from qcompile.frontend.tokenizer import TOKENIZER_FILE, train_tiny_tokenizer
+from qcompile.frontend.tokenizer import TINY_TOKENIZER_CONFIG, TOKENIZER_FILE, train_tiny_tokenizer
 
 PRESETS = {
     "tiny": dict(vocab_size=512, hidden_size=96, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
@@ -148,8 +149,10 @@ def _init(name: str, shape: tuple[int, ...], rng: np.random.Generator) -> np.nda
 
 def write_tiny(out_dir: str | Path, family: str = "qwen3_5_moe", preset: str = "tiny", seed: int = 0,
                dtype: str = "f32") -> Path:
-    """Write a preset checkpoint: config.json, generation_config.json, model.safetensors and a small real
-    tokenizer.json (frontend/tokenizer.py: byte-level BPE, at most 512 ids); return the directory."""
+    """Write a preset checkpoint: config.json, generation_config.json, model.safetensors, a small real
+    tokenizer.json (frontend/tokenizer.py: byte-level BPE, at most 512 ids), its tokenizer_config.json (the special
+    tokens; transformers' AutoTokenizer loads the pair) and chat_template.jinja (frontend/chat.py); return the
+    directory."""
     if dtype not in TORCH_DTYPE:
         raise UsageError(f"unknown dtype {dtype!r}; choose f32, bf16 or fp8")
     config = full_config(preset, family, dtype)
@@ -157,6 +160,8 @@ def write_tiny(out_dir: str | Path, family: str = "qwen3_5_moe", preset: str = "
     try:
         vocab = int(config.get("text_config", config)["vocab_size"])
         train_tiny_tokenizer(min(vocab, 512)).save(str(out / TOKENIZER_FILE))
+        (out / TOKENIZER_CONFIG_FILE).write_text(json.dumps(TINY_TOKENIZER_CONFIG, indent=2) + "\n")
+        (out / CHAT_TEMPLATE_FILE).write_text(TINY_CHAT_TEMPLATE)
     except OSError as err:
         raise UsageError(one_line(f"{out}: cannot write the tokenizer ({err.strerror or err})")) from None
     return out

@@ -15,7 +15,12 @@ from pathlib import Path
 from qcompile.errors import UsageError
 
 TOKENIZER_FILE = "tokenizer.json"
+#: The files an artifact copies from the checkpoint so text and chat prompts work on it alone (frontend/chat.py).
+TOKENIZER_FILES = (TOKENIZER_FILE, "tokenizer_config.json", "chat_template.jinja")
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>")  # ids 0, 1, 2: pad, bos, eos of the generated configs
+#: tokenizer_config.json beside the tiny tokenizer: its special tokens, and the class transformers loads it with.
+TINY_TOKENIZER_CONFIG = {"tokenizer_class": "PreTrainedTokenizerFast", "pad_token": "<pad>", "bos_token": "<s>",
+                         "eos_token": "</s>", "model_max_length": 4096}
 
 #: The bundled training text (written for qcompile; any English prose would do).
 CORPUS = """\

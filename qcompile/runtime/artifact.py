@@ -17,7 +17,8 @@ Layout of OUT/:
                                      and layout (prepared weights included), streamed one slab at a time and hashed
                                      as it is written; laid out 64-byte aligned (safetensors_io.aligned_order), so
                                      `run` uses each tensor in place from the mapped file (ir/weights.py::to_device)
-    tokenizer.json                   --weights copy: the checkpoint's tokenizer (and tokenizer_config.json), when it has one
+    tokenizer.json                   --weights copy: the checkpoint's tokenizer (and tokenizer_config.json,
+                                     chat_template.jinja), when it has one
     checkpoint/...                   --weights link: the checkpoint's files (config.json, index, shards), hard links
     graph.qir                        the step graph in IR text form (read to make the weights in link/none modes)
     exec/step_T{T}_R{R}.jaxexport    jax.export serialization of the step (qcompile/ir/abi.py) for T tokens, R rows

@@ -2,7 +2,10 @@
 
 Endpoints: `POST /v1/completions` (OpenAI's completions API: a prompt as text, token ids, or a list of either;
 max_tokens, temperature, top_p, top_k, seed, n, stop, stop_token_ids, ignore_eos, stream as server-sent events with
-stream_options.include_usage), `GET /v1/models`, `GET /health`, `GET /metrics` (Prometheus text format).
+stream_options.include_usage), `POST /v1/chat/completions` (OpenAI's chat API: `messages` rendered with the model's
+chat template, frontend/chat.py, then served as a completion of those ids; max_completion_tokens or max_tokens,
+default the rest of the context; vLLM's chat_template_kwargs and add_generation_prompt), `GET /v1/models`,
+`GET /health`, `GET /metrics` (Prometheus text format).
 Every choice carries `token_ids`, the generated ids, so a checkpoint without a tokenizer is fully usable (its `text`
 is ""). Fields follow the OpenAI reference; where it is silent, vLLM's server: `top_k`, `stop_token_ids`,
 `ignore_eos`, `token_ids`, and `max_model_len` in /v1/models. Defaults are OpenAI's (max_tokens 16, temperature 1:
@@ -33,12 +36,13 @@ from collections.abc import Callable
 import attrs
 
 from qcompile.errors import UsageError
+from qcompile.frontend.chat import ChatError, encode_chat
 from qcompile.frontend.tokenizer import TextStream
 from qcompile.runtime.sampling import Sampling
 from qcompile.runtime.scheduler import Request
 from qcompile.runtime.serving import EngineLoop, LoopState
 
-__all__ = ["BadRequest", "Completion", "Metrics", "ModelInfo", "bind", "create_app", "parse_completion",
+__all__ = ["BadRequest", "Completion", "Metrics", "ModelInfo", "bind", "create_app", "parse_chat", "parse_completion",
            "uvicorn_server"]
 
 #: OpenAI completion fields this server reads, and the ones it accepts only at their no-op values (null too).
@@ -46,6 +50,13 @@ FIELDS = {"model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "see
           "ignore_eos", "stream", "stream_options", "user"}
 UNSUPPORTED = {"echo": (False,), "logprobs": (), "best_of": (1,), "suffix": ("",), "presence_penalty": (0,),
                "frequency_penalty": (0,), "logit_bias": ({},)}
+#: The same for chat completions: a completion's fields but `prompt`, plus the conversation and its template's
+#: options. No tools: a tool call in the output would come back as text, not as tool_calls.
+CHAT_FIELDS = (FIELDS - {"prompt"}) | {"messages", "max_completion_tokens", "chat_template_kwargs",
+                                      "add_generation_prompt"}
+CHAT_UNSUPPORTED = {"logprobs": (False,), "top_logprobs": (0,), "presence_penalty": (0,), "frequency_penalty": (0,),
+                    "logit_bias": ({},), "tools": ([],), "tool_choice": ("none",), "parallel_tool_calls": (True, False),
+                    "response_format": ({"type": "text"},)}
 
 
 # Request limits: a body, stop strings and stop ids no client needs more of (OpenAI allows 4 stop strings); past
@@ -174,17 +185,22 @@ def _has_text(body) -> bool:
     return isinstance(prompt, str) or (isinstance(prompt, list) and any(isinstance(p, str) for p in prompt))
 
 
-def parse_completion(body, info: ModelInfo, tokenizer=None) -> Completion:
-    """Validate a /v1/completions body; BadRequest names the first field that is wrong."""
+def _known_fields(body, fields: set, unsupported: dict) -> None:
+    """A JSON object whose every field is read, or given at its no-op value; BadRequest names the first that is not."""
     if not isinstance(body, dict):
         raise BadRequest(None, "the request body must be a JSON object")
     for field in body:
-        if field in UNSUPPORTED:
+        if field in unsupported:
             value = body[field]
-            if value is not None and not any(_same_value(value, no_op) for no_op in UNSUPPORTED[field]):
+            if value is not None and not any(_same_value(value, no_op) for no_op in unsupported[field]):
                 raise BadRequest(field, f"'{field}' is not supported by this server")
-        elif field not in FIELDS:
+        elif field not in fields:
             raise BadRequest(field, f"unknown field '{field}'")
+
+
+def parse_completion(body, info: ModelInfo, tokenizer=None) -> Completion:
+    """Validate a /v1/completions body; BadRequest names the first field that is wrong."""
+    _known_fields(body, FIELDS, UNSUPPORTED)
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise BadRequest("model", f"'model' must be a string, got {json.dumps(model)}")
@@ -238,6 +254,66 @@ def parse_completion(body, info: ModelInfo, tokenizer=None) -> Completion:
         seed=None if seed is None else seed % 2**32, stop=tuple(stop or ()),
         stop_ids=tuple(dict.fromkeys([*eos, *stop_ids])), stream=flags["stream"],
         include_usage=bool(options.get("include_usage")))
+
+
+def _messages(body: dict) -> list[dict]:
+    """The conversation as the template reads it: each message's text parts joined by newlines (a text model)."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("messages", "'messages' must be a non-empty list of {\"role\": ..., \"content\": ...}")
+    plain = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise BadRequest("messages", f"messages[{i}] must be an object with a string 'role'")
+        content = message.get("content")
+        if isinstance(content, list):
+            if not all(isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+                       for part in content):
+                raise BadRequest("messages", f"messages[{i}].content: this model reads text only, as a string or "
+                                             'parts {"type": "text", "text": ...}')
+            content = "\n".join(part["text"] for part in content)
+        elif content is not None and not isinstance(content, str):
+            raise BadRequest("messages", f"messages[{i}].content must be text, a list of text parts, or null")
+        plain.append({**message, "content": content})
+    return plain
+
+
+def parse_chat(body, info: ModelInfo, tokenizer, template) -> Completion:
+    """Validate a /v1/chat/completions body and render its messages with `template` (frontend/chat.py's
+    ChatTemplate) into token ids: the completion of those ids, as /v1/completions would serve them. BadRequest names
+    the first field that is wrong (`messages` for what the template refuses or a conversation too long)."""
+    _known_fields(body, CHAT_FIELDS, CHAT_UNSUPPORTED)
+    if template is None:
+        raise BadRequest("messages", "this model has no chat template (chat_template.jinja, or tokenizer_config.json's "
+                                     "chat_template): send a prompt to /v1/completions, or start the server with "
+                                     "--chat-template FILE")
+    if tokenizer is None:
+        raise BadRequest("messages", "chat needs the model's tokenizer.json: send token ids to /v1/completions")
+    messages = _messages(body)
+    variables = {} if body.get("chat_template_kwargs") is None else body["chat_template_kwargs"]
+    if not isinstance(variables, dict):
+        raise BadRequest("chat_template_kwargs", "'chat_template_kwargs' must be an object of template variables")
+    generation_prompt = True if body.get("add_generation_prompt") is None else body["add_generation_prompt"]
+    if not isinstance(generation_prompt, bool):
+        raise BadRequest("add_generation_prompt", "'add_generation_prompt' must be true or false")
+    try:
+        ids = encode_chat(tokenizer, template, messages, generation_prompt, variables)
+    except ChatError as err:
+        raise BadRequest("messages", str(err)) from None
+    except (TypeError, ValueError, UnicodeError) as err:  # e.g. a lone surrogate escape
+        raise BadRequest("messages", f"the conversation's text cannot be encoded ({type(err).__name__})") from None
+    if not ids:
+        raise BadRequest("messages", "the conversation renders to no tokens")
+    limit_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    request = {field: value for field, value in body.items() if field in FIELDS and field != "max_tokens"}
+    limit = body.get(limit_field)
+    request.update(prompt=ids, max_tokens=max(1, info.max_context - len(ids)) if limit is None else limit)
+    try:
+        return parse_completion(request, info, tokenizer)
+    except BadRequest as err:  # in the chat request's own terms
+        param = {"prompt": "messages", "max_tokens": limit_field}.get(err.param, err.param)
+        message = err.message.replace("'max_tokens'", f"'{limit_field}'").replace("the prompt", "the conversation")
+        raise BadRequest(param, message, err.status) from None
 
 
 class Metrics:
@@ -302,11 +378,13 @@ class _Choice:
 
 
 class _Completions:
-    """One /v1/completions request: its choices in the engine, their events back on the event loop."""
+    """One /v1/completions (or, `chat`, /v1/chat/completions) request: its choices in the engine, their events back
+    on the event loop."""
 
-    def __init__(self, app_state, completion: Completion):
-        self.state, self.completion = app_state, completion
-        self.id, self.created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+    def __init__(self, app_state, completion: Completion, chat: bool = False):
+        self.state, self.completion, self.chat = app_state, completion, chat
+        self.id, self.created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
+        self._opened: set[int] = set()  # chat choices whose first chunk (the one naming the role) was sent
         self.events: asyncio.Queue = asyncio.Queue()
         aloop, now = asyncio.get_running_loop(), time.perf_counter()
         tokenizer = app_state.tokenizer
@@ -389,13 +467,25 @@ class _Completions:
         made = sum(len(c.token_ids) for c in self.choices)
         return {"prompt_tokens": prompt, "completion_tokens": made, "total_tokens": prompt + made}
 
-    def envelope(self, choices: list[dict]) -> dict:
-        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.state.info.name,
+    def envelope(self, choices: list[dict], chunk: bool = False) -> dict:
+        kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.state.info.name,
                 "choices": choices}
 
-    @staticmethod
-    def choice_json(index: int, text: str, token_ids: list[int], finish_reason: str | None) -> dict:
-        return {"index": index, "text": text, "token_ids": token_ids, "logprobs": None,
+    def choice_json(self, index: int, text: str, token_ids: list[int], finish_reason: str | None) -> dict:
+        """A whole choice: its text (a chat choice: the assistant's message) and ids."""
+        reply = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
+        return {"index": index, **reply, "token_ids": token_ids, "logprobs": None, "finish_reason": finish_reason}
+
+    def chunk_json(self, index: int, text: str, token_ids: list[int], finish_reason: str | None) -> dict:
+        """A streamed piece of a choice; a chat choice's first piece names the role (OpenAI's delta)."""
+        if not self.chat:
+            return self.choice_json(index, text, token_ids, finish_reason)
+        delta = {"content": text} if text else {}
+        if index not in self._opened:
+            self._opened.add(index)
+            delta = {"role": "assistant", "content": text}
+        return {"index": index, "delta": delta, "token_ids": token_ids, "logprobs": None,
                 "finish_reason": finish_reason}
 
 
@@ -413,9 +503,11 @@ async def _disconnected(receive) -> None:
         pass
 
 
-def create_app(loop: EngineLoop, info: ModelInfo, tokenizer=None, metrics: Metrics | None = None):
+def create_app(loop: EngineLoop, info: ModelInfo, tokenizer=None, metrics: Metrics | None = None,
+               chat_template=None):
     """The ASGI application; `loop` must be started (and stopped) by the caller. Pass the Metrics whose `on_state`
-    the loop reports to."""
+    the loop reports to, and the model's ChatTemplate (frontend/chat.py) for /v1/chat/completions (without one, a
+    chat request gets 400 saying so)."""
     from starlette.applications import Starlette
     from starlette.requests import Request as HttpRequest
     from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -444,6 +536,12 @@ def create_app(loop: EngineLoop, info: ModelInfo, tokenizer=None, metrics: Metri
         return Response(state.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     async def completions(http: HttpRequest):
+        return await _serve(http, chat=False)
+
+    async def chat_completions(http: HttpRequest):
+        return await _serve(http, chat=True)
+
+    async def _serve(http: HttpRequest, chat: bool):
         try:
             declared = http.headers.get("content-length")
             if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
@@ -455,13 +553,15 @@ def create_app(loop: EngineLoop, info: ModelInfo, tokenizer=None, metrics: Metri
                 body = json.loads(raw)
             except (ValueError, RecursionError):
                 raise BadRequest(None, "the request body is not valid JSON") from None
-            if _has_text(body):  # tokenising may take seconds: off the event loop, which serves every client
+            if chat:  # rendering and tokenising may take seconds: off the event loop, which serves every client
+                completion = await asyncio.to_thread(parse_chat, body, info, tokenizer, chat_template)
+            elif _has_text(body):
                 completion = await asyncio.to_thread(parse_completion, body, info, tokenizer)
             else:
                 completion = parse_completion(body, info, tokenizer)
             if not loop.alive:
                 raise BadRequest(None, "the engine is not running", 503)
-            job = _Completions(state, completion)
+            job = _Completions(state, completion, chat)
             try:
                 job.start()
             except UsageError as err:  # pages: the pool could never hold it
@@ -497,12 +597,12 @@ def create_app(loop: EngineLoop, info: ModelInfo, tokenizer=None, metrics: Metri
     async def _stream(job: _Completions):
         try:
             async for choice, piece, ids, reason in job.pieces():
-                chunk = job.envelope([job.choice_json(choice.index, piece, ids, reason)])
+                chunk = job.envelope([job.chunk_json(choice.index, piece, ids, reason)], chunk=True)
                 if job.completion.include_usage:
                     chunk["usage"] = None
                 yield f"data: {json.dumps(chunk)}\n\n"
             if job.completion.include_usage:
-                yield f"data: {json.dumps({**job.envelope([]), 'usage': job.usage()})}\n\n"
+                yield f"data: {json.dumps({**job.envelope([], chunk=True), 'usage': job.usage()})}\n\n"
             yield "data: [DONE]\n\n"
         except BadRequest as err:  # the engine failed mid-stream: the error event, then the end of the stream
             yield f"data: {json.dumps(err.body())}\n\n"
@@ -514,7 +614,8 @@ def create_app(loop: EngineLoop, info: ModelInfo, tokenizer=None, metrics: Metri
         """Unknown paths and wrong methods answer with OpenAI's error object too (clients parse it)."""
         status = getattr(exc, "status_code", 500)
         if status == 404:
-            message = f"no route {request.url.path}; this server has /v1/completions, /v1/models, /health, /metrics"
+            message = (f"no route {request.url.path}; this server has /v1/completions, /v1/chat/completions, "
+                       "/v1/models, /health, /metrics")
         elif status == 405:
             message = f"{request.method} is not allowed on {request.url.path}"
         else:
@@ -526,7 +627,8 @@ def create_app(loop: EngineLoop, info: ModelInfo, tokenizer=None, metrics: Metri
     from starlette.exceptions import HTTPException
 
     return Starlette(routes=[Route("/health", health), Route("/v1/models", models), Route("/metrics", prometheus),
-                             Route("/v1/completions", completions, methods=["POST"])],
+                             Route("/v1/completions", completions, methods=["POST"]),
+                             Route("/v1/chat/completions", chat_completions, methods=["POST"])],
                      exception_handlers={HTTPException: http_error})
 
 

@@ -1,0 +1,167 @@
+"""Chat templates (frontend/chat.py): the prompt text and ids of a conversation equal Hugging Face transformers'
+`apply_chat_template` on the same tokenizer files — init-tiny's template and one that uses every helper
+transformers gives a template (tojson without HTML escaping, namespace, loop controls, {% generation %},
+raise_exception); where a template comes from (chat_template.jinja, tokenizer_config.json as text or as named
+templates, an override file); and what is refused (a template that does not compile, one that refuses the messages,
+the sandbox's refusals, variables that would replace the conversation).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from qcompile.errors import UsageError
+from qcompile.frontend.chat import (CHAT_TEMPLATE_FILE, TINY_CHAT_TEMPLATE, ChatError, ChatTemplate, encode_chat,
+                                    load_chat_template)
+from qcompile.frontend.tiny import write_tiny
+from qcompile.frontend.tokenizer import load_tokenizer
+
+#: Every helper transformers' environment has, used the way Hub templates use them (written for this test).
+RICH_TEMPLATE = """\
+{%- set ns = namespace(system="", turns=0) %}
+{%- for message in messages %}
+    {%- if message.role == "system" %}{% set ns.system = message.content %}{% continue %}{% endif %}
+    {%- if message.role not in ["user", "assistant"] %}{{ raise_exception("no role " ~ message.role) }}{% endif %}
+    {%- set ns.turns = ns.turns + 1 %}
+{%- endfor %}
+{{- bos_token }}{% if ns.system %}[sys {{ ns.system | tojson }}]{% endif %}
+{% for message in messages if message.role != "system" %}
+<{{ message.role }} n={{ loop.index }}{% if loop.last %} last{% endif %}>
+{% if message.role == "assistant" %}{% generation %}{{ message.content }}{% endgeneration %}{% else %}{{ message.content }}{% endif %}
+{% if message.reasoning_content is defined %}(thinking: {{ message.reasoning_content }}){% endif %}
+    {% if loop.first %}first{% endif %}
+{{ eos_token }}
+{% if loop.index >= 3 %}{% break %}{% endif %}
+{% endfor %}
+meta {{ {"turns": ns.turns, "note": "<b>&amp; é</b>"} | tojson }}
+{% if add_generation_prompt %}<assistant>{% if style is defined %} style={{ style }}{% endif %}
+{% endif %}"""
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "What is a compiler?"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "  What is a compiler? "},
+     {"role": "assistant", "content": "A program that translates."}, {"role": "user", "content": "And a pass?"}],
+    [{"role": "user", "content": [{"type": "text", "text": "Two"}, {"type": "text", "text": "parts"}]}],
+    [{"role": "system", "content": "Grüße, 世界 🙂 \"quoted\" <tag>"}, {"role": "user", "content": "héllo"},
+     {"role": "assistant", "content": "wörld", "reasoning_content": None}],
+]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return write_tiny(tmp_path_factory.mktemp("chat") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(tiny):
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoTokenizer.from_pretrained(str(tiny))
+
+
+@pytest.mark.parametrize("conversation", range(len(CONVERSATIONS)))
+@pytest.mark.parametrize("options", [{}, {"add_generation_prompt": False}, {"variables": {"enable_thinking": False}}])
+def test_text_and_ids_equal_transformers_with_the_tiny_template(tiny, hf_tokenizer, conversation, options):
+    messages = CONVERSATIONS[conversation]
+    template = load_chat_template(tiny)
+    generation_prompt = options.get("add_generation_prompt", True)
+    variables = options.get("variables", {})
+    want = hf_tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False,
+                                            **variables)
+    assert template.render(messages, generation_prompt, variables) == want
+    want_ids = hf_tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True,
+                                                return_dict=False, **variables)
+    ids = encode_chat(load_tokenizer(tiny, "test"), template, messages, generation_prompt, variables)
+    assert ids == list(want_ids)
+    assert ids[0] == 1 and ids.count(2) == len(messages)  # <s> opens each turn, </s> closes each: special ids
+    if generation_prompt and variables:
+        assert want.endswith("<s>assistant\n<think>\n\n</think>\n\n")
+
+
+@pytest.mark.parametrize("conversation", range(len(CONVERSATIONS)))
+def test_every_helper_renders_as_in_transformers(tiny, hf_tokenizer, conversation):
+    messages = [{**m, "content": m["content"] if isinstance(m["content"], str)  # parts joined, as the server does
+                 else "\n".join(part["text"] for part in m["content"])} for m in CONVERSATIONS[conversation]]
+    template = ChatTemplate.compile(RICH_TEMPLATE, "rich", {"bos_token": "<s>", "eos_token": "</s>"})
+    for generation_prompt, variables in ((True, {}), (False, {}), (True, {"style": "terse"})):
+        want = hf_tokenizer.apply_chat_template(messages, chat_template=RICH_TEMPLATE, tokenize=False,
+                                                add_generation_prompt=generation_prompt, **variables)
+        assert template.render(messages, generation_prompt, variables) == want
+    text = template.render(messages)
+    assert '"<b>&amp; é</b>"' in text  # tojson: no HTML escaping, no \\u escapes
+    if conversation == 1:
+        assert '[sys "Be brief."]' in text and "<assistant n=2>" in text and "<user n=3 last>" in text
+
+
+def test_ids_get_no_special_tokens_beyond_the_templates(tiny, tmp_path):
+    """A tokenizer whose post-processor adds <s> to every encoding (as Llama's does) must not add it to a chat
+    prompt: the template wrote the special tokens already (transformers encodes with add_special_tokens=False)."""
+    transformers = pytest.importorskip("transformers")
+    import shutil
+
+    from tokenizers import Tokenizer, processors
+
+    bos = tmp_path / "bos"
+    shutil.copytree(tiny, bos, ignore=shutil.ignore_patterns("*.safetensors"))
+    tokenizer = Tokenizer.from_file(str(bos / "tokenizer.json"))
+    tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    tokenizer.save(str(bos / "tokenizer.json"))
+    messages = CONVERSATIONS[1]
+    want = transformers.AutoTokenizer.from_pretrained(str(bos)).apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    ids = encode_chat(load_tokenizer(bos, "test"), load_chat_template(bos), messages)
+    assert ids == list(want) and ids[:2] != [1, 1] and load_tokenizer(bos, "test").encode("hi").ids[0] == 1
+
+
+def test_a_template_that_refuses_the_messages_is_a_chat_error(tiny):
+    template = load_chat_template(tiny)
+    with pytest.raises(ChatError, match="roles system, user and assistant, not tool"):
+        template.render([{"role": "tool", "content": "42"}])
+    with pytest.raises(ChatError, match="may not be named messages"):
+        template.render([{"role": "user", "content": "hi"}], variables={"messages": []})
+    escape = ChatTemplate.compile("{{ messages.__class__.__mro__[1].__subclasses__() }}", "escape")
+    with pytest.raises(ChatError, match="escape"):  # the sandbox refuses; nothing of Python's internals renders
+        escape.render([{"role": "user", "content": "hi"}])
+    stash = ChatTemplate.compile("{% set ns = namespace() %}{% set ns._x = 1 %}ok", "stash")
+    with pytest.raises(ChatError, match="_x"):
+        stash.render([{"role": "user", "content": "hi"}])
+
+
+def test_where_a_template_comes_from(tmp_path, tiny):
+    from qcompile.frontend.tokenizer import TINY_TOKENIZER_CONFIG
+
+    config = dict(TINY_TOKENIZER_CONFIG, bos_token={"content": "<s>", "special": True})  # an added token's form
+    user = [{"role": "user", "content": "hi"}]
+
+    def directory(name, chat_template=None, jinja=None):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "tokenizer_config.json").write_text(json.dumps({**config, **({"chat_template": chat_template}
+                                                                        if chat_template is not None else {})}))
+        if jinja is not None:
+            (d / CHAT_TEMPLATE_FILE).write_text(jinja)
+        return d
+
+    assert load_chat_template(directory("none")) is None and load_chat_template(tmp_path / "missing") is None
+    assert load_chat_template(directory("text", "{{ bos_token }}config")).render(user) == "<s>config"
+    named = directory("named", [{"name": "tool_use", "template": "tools"}, {"name": "default", "template": "chat"}])
+    assert load_chat_template(named).render(user) == "chat"
+    both = directory("both", "config", jinja="{{ eos_token }}file")
+    assert load_chat_template(both).render(user) == "</s>file"  # chat_template.jinja wins, as in transformers
+    override = tmp_path / "mine.jinja"
+    override.write_text("mine {{ messages[0].content }}")
+    assert load_chat_template(both, override).render(user) == "mine hi"
+    assert load_chat_template(None, override).render(user) == "mine hi"
+    for bad, words in ((directory("nodefault", [{"name": "tool_use", "template": "t"}]), "no 'default'"),
+                       (directory("broken", jinja="{% for m in messages %}unclosed"), "not a Jinja chat template"),
+                       (directory("number", 3), "must be text")):
+        with pytest.raises(UsageError, match=words):
+            load_chat_template(bad)
+    with pytest.raises(UsageError, match="cannot read the chat template"):
+        load_chat_template(both, tmp_path / "absent.jinja")
+    (tmp_path / "badjson").mkdir()
+    (tmp_path / "badjson" / "tokenizer_config.json").write_text("{nope")
+    with pytest.raises(UsageError, match="not readable JSON"):
+        load_chat_template(tmp_path / "badjson")
+    assert (tiny / CHAT_TEMPLATE_FILE).read_text() == TINY_CHAT_TEMPLATE
