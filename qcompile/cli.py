@@ -795,7 +795,8 @@ def serve_cmd(source, host, port, served_model_name, passes_spec, dtype, max_seq
 @cli.command("check", context_settings=CONTEXT)
 @click.argument("source", metavar="ARTIFACT|CHECKPOINT", type=click.Path(path_type=Path))
 @click.option("--prompts", "prompts_path", required=True, type=click.Path(path_type=Path), metavar="FILE",
-              help='JSON lines: {"prompt_ids": [...]} or {"prompt": "..."} (needs the checkpoint\'s tokenizer.json).')
+              help='JSON lines: {"prompt_ids": [...]}, {"prompt": "..."} (needs the checkpoint\'s tokenizer.json) '
+                   'or {"messages": [...]} (rendered with its chat template).')
 @click.option("--reference", type=click.Path(path_type=Path), metavar="CHECKPOINT",
               help="The unoptimized model (required for an artifact; default: the checkpoint itself).")
 @click.option("--passes", "passes_spec", default=None, metavar="SPEC",

@@ -89,6 +89,47 @@ def test_an_artifact_against_its_checkpoint(ckpts, prompts, tmp_path, capsys):
     assert code == 2 and "is not the model the artifact was compiled from: its num_layers is 4" in err, err
 
 
+def test_conversations_are_checked_as_their_rendered_ids(ckpts, tmp_path, capsys):
+    """{"messages": [...]} lines are the chat template's rendering of the conversation (the assistant's turn
+    opened), exactly the ids serve's chat API would run; a checkpoint without a template, or a conversation the
+    template refuses, is a one-line exit 2 naming the line."""
+    import shutil
+
+    from qcompile.frontend.chat import CHAT_TEMPLATE_FILE, TINY_CHAT_TEMPLATE, encode_chat, load_chat_template
+    from qcompile.frontend.tokenizer import TINY_TOKENIZER_CONFIG, TOKENIZER_FILE, load_tokenizer, train_tiny_tokenizer
+
+    chat = tmp_path / "chat"
+    shutil.copytree(ckpts[0], chat)
+    train_tiny_tokenizer(512).save(str(chat / TOKENIZER_FILE))
+    (chat / "tokenizer_config.json").write_text(json.dumps(TINY_TOKENIZER_CONFIG))
+    conversations = [[{"role": "user", "content": "Hi"}],
+                     [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "A compiler?"}]]
+    by_messages, by_ids = tmp_path / "messages.jsonl", tmp_path / "ids.jsonl"
+    by_messages.write_text("".join(json.dumps({"messages": m}) + "\n" for m in conversations))
+    code, _, err = cli(capsys, "check", chat, "--prompts", by_messages, "--passes", "none", "--max-new-tokens", "2")
+    assert code == 2 and "messages.jsonl:1: messages need the checkpoint's chat template" in err
+    (chat / CHAT_TEMPLATE_FILE).write_text(TINY_CHAT_TEMPLATE)
+    template, tokenizer = load_chat_template(chat), load_tokenizer(chat, "test")
+    by_ids.write_text("".join(json.dumps({"prompt_ids": encode_chat(tokenizer, template, m)}) + "\n"
+                              for m in conversations))
+    reports = []
+    for prompts in (by_messages, by_ids):
+        out = tmp_path / f"{prompts.stem}.json"
+        code, _, err = cli(capsys, "check", chat, "--prompts", prompts, "--passes", "all", "--max-new-tokens", "3",
+                           "--min-agreement", "0",
+                           "--json", out)
+        assert code == 0, err
+        reports.append(json.loads(out.read_text()))
+    assert reports[0]["prompts"] == reports[1]["prompts"] and reports[0]["overall"] == reports[1]["overall"]
+    assert [p["prompt_tokens"] for p in reports[0]["prompts"]] == [len(encode_chat(tokenizer, template, m))
+                                                                   for m in conversations]
+    by_messages.write_text(json.dumps({"messages": conversations[0]}) + "\n"
+                           + json.dumps({"messages": [{"role": "tool", "content": "42"}]}) + "\n")
+    code, _, err = cli(capsys, "check", chat, "--prompts", by_messages, "--passes", "none")
+    assert code == 2 and "messages.jsonl:2: the chat template" in err and "not tool" in err
+    assert len(err.strip().splitlines()) == 1
+
+
 def test_prompts_from_a_pipe_and_absurd_sizes(ckpts, tmp_path, capsys):
     """--prompts /dev/stdin or a FIFO is read (it was "file not found"), with a cap (/dev/zero never ends); a
     --max-new-tokens past what qcompile supports names that flag (it named --max-context, which check lacks)."""
@@ -114,7 +155,9 @@ def test_prompts_from_a_pipe_and_absurd_sizes(ckpts, tmp_path, capsys):
     (None, "file not found"),
     ("", "no prompts"),
     ('{"prompt_ids": [1, 2]}\nnot json\n', "prompts.jsonl:2: not JSON"),
-    ('{"ids": [1]}\n', "expected an object with prompt_ids or prompt"),
+    ('{"ids": [1]}\n', "expected an object with one of prompt_ids, prompt or messages"),
+    ('{"prompt_ids": [1], "messages": []}\n', "expected an object with one of prompt_ids, prompt or messages"),
+    ('{"messages": [{"role": "user", "content": "hi"}]}\n', "needs the checkpoint's tokenizer.json"),
     ('{"prompt_ids": []}\n', "non-empty list of integers"),
     ('{"prompt_ids": [1, 99999]}\n', "token id 99999 is outside the vocabulary"),
     ('{"prompt": "hello"}\n', "needs the checkpoint's tokenizer.json"),

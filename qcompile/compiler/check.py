@@ -12,8 +12,9 @@ serving. At every step both next-token distributions are compared:
 - the first step where the greedy tokens diverge (None when they never do).
 
 Overall figures pool every step of every prompt. Exit 3 (numerics) when the overall agreement is under
-`--min-agreement`. Prompts: JSON lines, `{"prompt_ids": [...]}`, or `{"prompt": "..."}` when the checkpoint has a
-`tokenizer.json` (read with the `tokenizers` library).
+`--min-agreement`. Prompts: JSON lines, `{"prompt_ids": [...]}`, `{"prompt": "..."}` when the checkpoint has a
+`tokenizer.json` (read with the `tokenizers` library), or `{"messages": [...]}` (a conversation, rendered with the
+checkpoint's chat template and the assistant's turn opened, as `serve`'s chat API renders it: frontend/chat.py).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import attrs
 import numpy as np
 
 from qcompile.errors import NumericsError, UsageError
+from qcompile.frontend.chat import ChatError, encode_chat, load_chat_template, text_messages
 from qcompile.frontend.tokenizer import load_tokenizer
 from qcompile.ir.abi import MAX_CONTEXT, CacheConfig
 
@@ -75,7 +77,7 @@ def read_prompts(path: Path, checkpoint_dir: Path | None, vocab_size: int) -> li
     except UnicodeDecodeError as err:
         line = data[:err.start].count(b"\n") + 1
         raise UsageError(f"--prompts {path}:{line}: not UTF-8 text (give JSON lines)") from None
-    tokenizer = None
+    tokenizer = template = None
     prompts = []
     for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
@@ -84,9 +86,24 @@ def read_prompts(path: Path, checkpoint_dir: Path | None, vocab_size: int) -> li
             record = json.loads(line)
         except json.JSONDecodeError as err:
             raise UsageError(f"--prompts {path}:{number}: not JSON ({err.msg})") from None
-        if not isinstance(record, dict) or ("prompt_ids" in record) == ("prompt" in record):
-            raise UsageError(f"--prompts {path}:{number}: expected an object with prompt_ids or prompt")
-        if "prompt" in record:
+        if not isinstance(record, dict) or sum(key in record for key in ("prompt_ids", "prompt", "messages")) != 1:
+            raise UsageError(f"--prompts {path}:{number}: expected an object with one of prompt_ids, prompt or "
+                             "messages")
+        if "messages" in record:
+            if tokenizer is None:
+                tokenizer = _tokenizer(checkpoint_dir, path, number)
+            if template is None:
+                template = load_chat_template(checkpoint_dir)
+                if template is None:
+                    raise UsageError(f"--prompts {path}:{number}: messages need the checkpoint's chat template "
+                                     "(chat_template.jinja, or tokenizer_config.json's chat_template)")
+            try:
+                ids = encode_chat(tokenizer, template, text_messages(record["messages"]))
+            except ChatError as err:
+                raise UsageError(f"--prompts {path}:{number}: {err}") from None
+            if not ids:
+                raise UsageError(f"--prompts {path}:{number}: the conversation renders to no tokens")
+        elif "prompt" in record:
             if tokenizer is None:
                 tokenizer = _tokenizer(checkpoint_dir, path, number)
             if not isinstance(record["prompt"], str) or not record["prompt"]:

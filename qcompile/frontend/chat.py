@@ -205,6 +205,28 @@ def load_chat_template(directory: Path | None, override: Path | None = None) -> 
     return ChatTemplate.compile(template, f"{config_path}'s chat_template", tokens)
 
 
+def text_messages(messages) -> list[dict]:
+    """A conversation as a text model's template reads it: each message an object with a string role, its content
+    text, null, or OpenAI's text parts (joined by newlines); other fields as given. ChatError says what is wrong."""
+    if not isinstance(messages, list) or not messages:
+        raise ChatError("'messages' must be a non-empty list of {\"role\": ..., \"content\": ...}")
+    plain = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise ChatError(f"messages[{i}] must be an object with a string 'role'")
+        content = message.get("content")
+        if isinstance(content, list):
+            if not all(isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+                       for part in content):
+                raise ChatError(f"messages[{i}].content: this model reads text only, as a string or parts "
+                                '{"type": "text", "text": ...}')
+            content = "\n".join(part["text"] for part in content)
+        elif content is not None and not isinstance(content, str):
+            raise ChatError(f"messages[{i}].content must be text, a list of text parts, or null")
+        plain.append({**message, "content": content})
+    return plain
+
+
 def encode_chat(tokenizer, template: ChatTemplate, messages: list[dict], add_generation_prompt: bool = True,
                 variables: dict | None = None) -> list[int]:
     """The token ids of a conversation: rendered, then encoded without special tokens added (the template wrote

@@ -36,7 +36,7 @@ from collections.abc import Callable
 import attrs
 
 from qcompile.errors import UsageError
-from qcompile.frontend.chat import ChatError, encode_chat
+from qcompile.frontend.chat import ChatError, encode_chat, text_messages
 from qcompile.frontend.tokenizer import TextStream
 from qcompile.runtime.sampling import Sampling
 from qcompile.runtime.scheduler import Request
@@ -256,28 +256,6 @@ def parse_completion(body, info: ModelInfo, tokenizer=None) -> Completion:
         include_usage=bool(options.get("include_usage")))
 
 
-def _messages(body: dict) -> list[dict]:
-    """The conversation as the template reads it: each message's text parts joined by newlines (a text model)."""
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise BadRequest("messages", "'messages' must be a non-empty list of {\"role\": ..., \"content\": ...}")
-    plain = []
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise BadRequest("messages", f"messages[{i}] must be an object with a string 'role'")
-        content = message.get("content")
-        if isinstance(content, list):
-            if not all(isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
-                       for part in content):
-                raise BadRequest("messages", f"messages[{i}].content: this model reads text only, as a string or "
-                                             'parts {"type": "text", "text": ...}')
-            content = "\n".join(part["text"] for part in content)
-        elif content is not None and not isinstance(content, str):
-            raise BadRequest("messages", f"messages[{i}].content must be text, a list of text parts, or null")
-        plain.append({**message, "content": content})
-    return plain
-
-
 def parse_chat(body, info: ModelInfo, tokenizer, template) -> Completion:
     """Validate a /v1/chat/completions body and render its messages with `template` (frontend/chat.py's
     ChatTemplate) into token ids: the completion of those ids, as /v1/completions would serve them. BadRequest names
@@ -289,7 +267,10 @@ def parse_chat(body, info: ModelInfo, tokenizer, template) -> Completion:
                                      "--chat-template FILE")
     if tokenizer is None:
         raise BadRequest("messages", "chat needs the model's tokenizer.json: send token ids to /v1/completions")
-    messages = _messages(body)
+    try:
+        messages = text_messages(body.get("messages"))
+    except ChatError as err:
+        raise BadRequest("messages", str(err)) from None
     variables = {} if body.get("chat_template_kwargs") is None else body["chat_template_kwargs"]
     if not isinstance(variables, dict):
         raise BadRequest("chat_template_kwargs", "'chat_template_kwargs' must be an object of template variables")
