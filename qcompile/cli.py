@@ -356,6 +356,12 @@ def _refuse_overwriting_inputs(path: Path, flag: str, inputs: tuple) -> None:
 @click.option("--prompt", "prompt_texts", multiple=True, metavar="TEXT",
               help="A text prompt, encoded with the checkpoint's tokenizer.json; the generated text is printed. "
                    "Give it again for more prompts (instead of --prompt-ids).")
+@click.option("--chat", "chat_texts", multiple=True, metavar="TEXT",
+              help="A user message, rendered with the checkpoint's chat template (as serve's chat API renders it); "
+                   "the reply's text is printed. Give it again for more conversations (instead of --prompt).")
+@click.option("--system", metavar="TEXT", help="With --chat: a system message opening each conversation.")
+@click.option("--chat-template", "chat_template_path", type=click.Path(path_type=Path), metavar="FILE",
+              help="With --chat: this Jinja chat template instead of the checkpoint's.")
 @click.option("--max-new-tokens", default=16, show_default=True, type=click.IntRange(min=1))
 @click.option("--dtype", type=click.Choice(["f32", "bf16"]), help="Compute dtype (default: the checkpoint's).")
 @click.option("--save-logits", type=click.Path(path_type=Path),
@@ -378,9 +384,11 @@ def _refuse_overwriting_inputs(path: Path, flag: str, inputs: tuple) -> None:
 @click.option("--seed", default=0, show_default=True, type=int,
               help="Sampling seed; prompt i draws with seed + i, so a run is reproducible whatever the batch.")
 @_cluster_options
-def run_cmd(checkpoint, prompt_ids, prompt_texts, max_new_tokens, dtype, save_logits, ignore_eos, memory_budget,
-            as_json, mesh_spec, temperature, top_k, top_p, seed, coordinator, num_processes, process_id, join_timeout):
-    """Greedy-generate from CHECKPOINT (or a compiled artifact directory) and print the new token ids.
+def run_cmd(checkpoint, prompt_ids, prompt_texts, chat_texts, system, chat_template_path, max_new_tokens, dtype,
+            save_logits, ignore_eos, memory_budget, as_json, mesh_spec, temperature, top_k, top_p, seed, coordinator,
+            num_processes, process_id, join_timeout):
+    """Greedy-generate from CHECKPOINT (or a compiled artifact directory) and print the new token ids (the text,
+    for --prompt and --chat).
 
     Generation stops after an EOS token (the config's eos_token_id; printed as the last token) or after
     --max-new-tokens; --ignore-eos always generates --max-new-tokens. Several --prompt-ids are generated together
@@ -394,10 +402,27 @@ def run_cmd(checkpoint, prompt_ids, prompt_texts, max_new_tokens, dtype, save_lo
     from qcompile.frontend.tokenizer import decode, load_tokenizer
     from qcompile.runtime.sampling import Sampling
 
-    if bool(prompt_ids) == bool(prompt_texts):
-        raise UsageError("give the prompts as --prompt-ids 1,2,3 or as --prompt TEXT (one of the two, repeatable)")
+    if sum(map(bool, (prompt_ids, prompt_texts, chat_texts))) != 1:
+        raise UsageError("give the prompts as --prompt-ids 1,2,3, as --prompt TEXT or as --chat TEXT (one of the "
+                         "three, repeatable)")
+    if (system is not None or chat_template_path is not None) and not chat_texts:
+        raise UsageError("--system and --chat-template go with --chat")
     tokenizer = None
-    if prompt_texts:
+    if chat_texts:
+        from qcompile.frontend.chat import ChatError, encode_chat, load_chat_template
+
+        tokenizer = load_tokenizer(_tokenizer_dir(checkpoint), "--chat")
+        template = load_chat_template(_tokenizer_dir(checkpoint), chat_template_path)
+        if template is None:
+            raise UsageError(f"--chat needs a chat template: {checkpoint} has none (chat_template.jinja, or "
+                             "tokenizer_config.json's chat_template); give one with --chat-template FILE")
+        opening = [{"role": "system", "content": system}] if system is not None else []
+        try:
+            prompts = [encode_chat(tokenizer, template, [*opening, {"role": "user", "content": text}])
+                       for text in chat_texts]
+        except ChatError as err:
+            raise UsageError(f"--chat: {err}") from None
+    elif prompt_texts:
         tokenizer = load_tokenizer(_tokenizer_dir(checkpoint), "--prompt")
         prompts = [tokenizer.encode(text).ids for text in prompt_texts]
         if not all(prompts):
@@ -484,7 +509,8 @@ def run_cmd(checkpoint, prompt_ids, prompt_texts, max_new_tokens, dtype, save_lo
             raise UsageError(f"--save-logits {save_logits}: cannot write it ({err.strerror or err})") from None
     memory = engine.memory(graph) if as_json else None
     for ids, tokens, finish_reason in zip(prompts, result["tokens"], result["finish_reasons"]):
-        text = decode(tokenizer, tokens) if tokenizer is not None else None
+        # a reply's text without its end-of-turn marker (the eos); a --prompt continuation shows every token
+        text = decode(tokenizer, tokens, skip_special=bool(chat_texts)) if tokenizer is not None else None
         if as_json:
             extra = {"text": text} if text is not None else {}
             click.echo(json.dumps({"prompt_ids": ids, "tokens": tokens, **extra, "finish_reason": finish_reason,

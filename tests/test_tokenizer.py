@@ -60,14 +60,48 @@ def test_run_prompt_text_prints_the_generated_text(tiny, capsys):
     assert out.splitlines()[0] == ",".join(map(str, records[0]["tokens"]))  # the same tokens as by ids
 
 
+def test_run_chat_renders_the_conversation_with_the_chat_template(tiny, tmp_path, capsys):
+    """`run --chat TEXT [--system TEXT]`: the prompt is the template's rendering of the conversation (the ids serve's
+    chat API would run), the reply the same tokens as those ids by --prompt-ids, its text without the eos."""
+    from qcompile.frontend.chat import encode_chat, load_chat_template
+    from qcompile.frontend.tokenizer import load_tokenizer
+
+    tokenizer, template = load_tokenizer(tiny, "test"), load_chat_template(tiny)
+    code, out, err = _run(capsys, tiny, "--chat", "What is a compiler?", "--chat", "Hi", "--system", "Be brief.",
+                          "--max-new-tokens", "5", "--json")
+    assert code == 0, err
+    records = [json.loads(line) for line in out.splitlines()]
+    want = [encode_chat(tokenizer, template, [{"role": "system", "content": "Be brief."},
+                                              {"role": "user", "content": text}]) for text in ("What is a compiler?", "Hi")]
+    assert [r["prompt_ids"] for r in records] == want
+    assert all(r["text"] == decode(tokenizer, r["tokens"], skip_special=True) for r in records)
+    code, out, _ = _run(capsys, tiny, "--prompt-ids", ",".join(map(str, want[0])), "--max-new-tokens", "5")
+    assert out.splitlines()[0] == ",".join(map(str, records[0]["tokens"]))
+    mine = tmp_path / "mine.jinja"
+    mine.write_text("{{ messages[-1].content }} =")
+    code, out, err = _run(capsys, tiny, "--chat", "A compiler", "--chat-template", mine, "--max-new-tokens", "2",
+                          "--json")
+    assert code == 0 and json.loads(out)["prompt_ids"] == tokenizer.encode("A compiler =").ids, err
+
+
 def test_prompt_errors_are_one_line_exit_2(tiny, tmp_path, capsys):
     from conftest import write_small
 
     bare = write_small(tmp_path / "bare")
+    untemplated = tmp_path / "untemplated"
+    untemplated.mkdir()
+    (untemplated / "tokenizer.json").write_text((tiny / "tokenizer.json").read_text())
+    for name in ("config.json", "model.safetensors"):
+        (untemplated / name).symlink_to(tiny / name)
     for argv, message in (([bare, "--prompt", "hello"], "needs the checkpoint's tokenizer.json"),
-                          ([tiny, "--prompt", "hello", "--prompt-ids", "1,2"], "one of the two"),
-                          ([tiny], "one of the two"),
-                          ([tiny, "--prompt", ""], "encodes to no tokens")):
+                          ([tiny, "--prompt", "hello", "--prompt-ids", "1,2"], "one of the three"),
+                          ([tiny, "--chat", "hello", "--prompt", "hi"], "one of the three"),
+                          ([tiny], "one of the three"),
+                          ([tiny, "--prompt", ""], "encodes to no tokens"),
+                          ([tiny, "--prompt", "hi", "--system", "x"], "go with --chat"),
+                          ([bare, "--chat", "hello"], "needs the checkpoint's tokenizer.json"),
+                          ([untemplated, "--chat", "hello"], "--chat needs a chat template"),
+                          ([tiny, "--chat", "hello", "--chat-template", tmp_path / "absent"], "cannot read")):
         code, _, err = _run(capsys, *argv)
         assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
 
