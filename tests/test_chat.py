@@ -2,8 +2,9 @@
 `apply_chat_template` on the same tokenizer files — init-tiny's template and one that uses every helper
 transformers gives a template (tojson without HTML escaping, namespace, loop controls, {% generation %},
 raise_exception); where a template comes from (chat_template.jinja, tokenizer_config.json as text or as named
-templates, an override file); and what is refused (a template that does not compile, one that refuses the messages,
-the sandbox's refusals, variables that would replace the conversation).
+templates, an override file); what is refused (a template that does not compile, one that refuses the messages,
+the sandbox's refusals, variables that would replace the conversation); and a reply's <think> block split from its
+content, the same whichever pieces the text arrives in.
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ import json
 import pytest
 
 from qcompile.errors import UsageError
-from qcompile.frontend.chat import (CHAT_TEMPLATE_FILE, TINY_CHAT_TEMPLATE, ChatError, ChatTemplate, encode_chat,
-                                    load_chat_template)
+from qcompile.frontend.chat import (CHAT_TEMPLATE_FILE, TINY_CHAT_TEMPLATE, ChatError, ChatTemplate, ReasoningSplit,
+                                    encode_chat, load_chat_template)
 from qcompile.frontend.tiny import write_tiny
 from qcompile.frontend.tokenizer import load_tokenizer
 
@@ -165,3 +166,43 @@ def test_where_a_template_comes_from(tmp_path, tiny):
     with pytest.raises(UsageError, match="not readable JSON"):
         load_chat_template(tmp_path / "badjson")
     assert (tiny / CHAT_TEMPLATE_FILE).read_text() == TINY_CHAT_TEMPLATE
+
+
+REPLIES = [  # (reply, the prompt opened the block, reasoning, content)
+    ("<think>\nplan\n</think>\n\nanswer", False, "plan", "answer"),
+    ("\nplan\nmore\n\n</think>\n\nanswer\n", True, "plan\nmore", "answer\n"),
+    ("answer only, <think> in the middle", False, "", "answer only, <think> in the middle"),
+    ("  <think>x</think>y", False, "x", "y"),
+    ("never closes\n", True, "never closes\n", ""),
+    ("<thin", False, "", "<thin"),
+    ("<think>abc</thi", False, "abc</thi", ""),
+    ("a</think>", True, "a", ""),
+    ("a</th\nb</think>c</think>", True, "a</th\nb", "c</think>"),
+    ("\n\n", True, "", ""),
+    ("<think></think>", False, "", ""),
+    ("", False, "", ""),
+]
+
+
+@pytest.mark.parametrize("reply, opened, reasoning, content", REPLIES)
+def test_a_reply_splits_at_its_think_block_whatever_its_pieces(reply, opened, reasoning, content):
+    """Cut into pieces every way (for a reply of more than 13 characters: at every pair of points, and one
+    character a piece), the reply splits as it does whole: text is never sent and then taken back (a held tag that
+    turns out not to be one is sent later, in order)."""
+    assert ReasoningSplit(opened).push(reply, final=True) == (reasoning, content)
+    import itertools
+
+    cuts = list(range(1, len(reply)))
+    if len(cuts) <= 12:
+        ways = [c for n in range(len(cuts) + 1) for c in itertools.combinations(cuts, n)]
+    else:
+        ways = [*itertools.combinations(cuts, 2), tuple(cuts)]
+    for way in ways:
+        points = [0, *way, len(reply)]
+        split, got = ReasoningSplit(opened), ["", ""]
+        for a, b in zip(points, points[1:]):
+            for i, piece in enumerate(split.push(reply[a:b])):
+                got[i] += piece
+        for i, piece in enumerate(split.finish()):
+            got[i] += piece
+        assert tuple(got) == (reasoning, content), points

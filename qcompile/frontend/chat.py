@@ -233,3 +233,72 @@ def encode_chat(tokenizer, template: ChatTemplate, messages: list[dict], add_gen
     them), as transformers' apply_chat_template(tokenize=True) gives them."""
     text = template.render(messages, add_generation_prompt, variables)
     return tokenizer.encode(text, add_special_tokens=False).ids
+
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+
+class ReasoningSplit:
+    """A reply's text split into its reasoning (inside <think> ... </think>) and its content (after), a piece at a
+    time, for `serve --reasoning-parser think` (Qwen3 / Qwen3.5 / Qwen3-Next thinking models; DeepSeek-R1's tags).
+
+    Where the reasoning starts is read from the prompt, not guessed: a template that opened the thinking block
+    (the prompt ends with <think>, as Qwen3's thinking templates do) makes the reply reasoning from its first token;
+    otherwise the reply is reasoning only if it opens a <think> block itself (leading whitespace allowed). Either
+    way the reasoning ends at the first </think>. The newlines just inside the block and just after it are dropped
+    (the templates write them as layout). A reply that never closes its block is all reasoning. Text that could
+    still turn out to be a tag, or layout, is held back until it cannot."""
+
+    def __init__(self, prompt_opened: bool):
+        self.state = "opened" if prompt_opened else "start"  # start → opened | content; opened → reasoning → after
+        self.pending = ""
+
+    @staticmethod
+    def _held(text: str, tag: str) -> int:
+        """The length of the longest end of `text` that may still turn out to be layout newlines and the start of
+        `tag` ("\\n\\n</thi"), so is not sent yet."""
+        for k in range(min(len(tag) - 1, len(text)), -1, -1):
+            if text.endswith(tag[:k]):
+                rest = text[:len(text) - k]
+                return k + len(rest) - len(rest.rstrip("\n"))
+        return 0
+
+    def push(self, text: str, final: bool = False) -> tuple[str, str]:
+        """(reasoning, content) that may be sent now, given the reply's next piece of text."""
+        self.pending += text
+        reasoning = ""
+        if self.state == "start":
+            stripped = self.pending.lstrip()
+            if stripped.startswith(THINK_OPEN):
+                self.state, self.pending = "opened", stripped[len(THINK_OPEN):]
+            elif final or not THINK_OPEN.startswith(stripped):
+                self.state = "content"
+            else:
+                return "", ""  # still possibly "<think"
+        if self.state == "opened":  # the newlines just inside the block are layout
+            self.pending = self.pending.lstrip("\n")
+            if not self.pending and not final:
+                return "", ""
+            self.state = "reasoning"
+        if self.state == "reasoning":
+            end = self.pending.find(THINK_CLOSE)
+            if end < 0:
+                if final:
+                    reasoning, self.pending = self.pending, ""
+                    return reasoning, ""
+                cut = len(self.pending) - self._held(self.pending, THINK_CLOSE)
+                reasoning, self.pending = self.pending[:cut], self.pending[cut:]
+                return reasoning, ""
+            reasoning, self.pending = self.pending[:end].rstrip("\n"), self.pending[end + len(THINK_CLOSE):]
+            self.state = "after"
+        if self.state == "after":  # the newlines after the block are layout
+            self.pending = self.pending.lstrip("\n")
+            if not self.pending and not final:
+                return reasoning, ""
+            self.state = "content"
+        content, self.pending = self.pending, ""
+        return reasoning, content
+
+    def finish(self) -> tuple[str, str]:
+        """What is left once the reply has ended."""
+        return self.push("", final=True)

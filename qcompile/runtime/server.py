@@ -36,7 +36,7 @@ from collections.abc import Callable
 import attrs
 
 from qcompile.errors import UsageError
-from qcompile.frontend.chat import ChatError, encode_chat, text_messages
+from qcompile.frontend.chat import THINK_OPEN, ChatError, ReasoningSplit, text_messages
 from qcompile.frontend.tokenizer import TextStream
 from qcompile.runtime.sampling import Sampling
 from qcompile.runtime.scheduler import Request
@@ -113,6 +113,8 @@ class Completion:
     stop_ids: tuple[int, ...]
     stream: bool
     include_usage: bool
+    thinking_opened: bool = False  # a chat prompt that ends inside a <think> block its template opened
+
 
     def sampling(self, choice: int) -> Sampling:
         if self.temperature == 0:
@@ -278,7 +280,8 @@ def parse_chat(body, info: ModelInfo, tokenizer, template) -> Completion:
     if not isinstance(generation_prompt, bool):
         raise BadRequest("add_generation_prompt", "'add_generation_prompt' must be true or false")
     try:
-        ids = encode_chat(tokenizer, template, messages, generation_prompt, variables)
+        text = template.render(messages, generation_prompt, variables)
+        ids = tokenizer.encode(text, add_special_tokens=False).ids  # as encode_chat: the template wrote them
     except ChatError as err:
         raise BadRequest("messages", str(err)) from None
     except (TypeError, ValueError, UnicodeError) as err:  # e.g. a lone surrogate escape
@@ -290,11 +293,12 @@ def parse_chat(body, info: ModelInfo, tokenizer, template) -> Completion:
     limit = body.get(limit_field)
     request.update(prompt=ids, max_tokens=max(1, info.max_context - len(ids)) if limit is None else limit)
     try:
-        return parse_completion(request, info, tokenizer)
+        completion = parse_completion(request, info, tokenizer)
     except BadRequest as err:  # in the chat request's own terms
         param = {"prompt": "messages", "max_tokens": limit_field}.get(err.param, err.param)
         message = err.message.replace("'max_tokens'", f"'{limit_field}'").replace("the prompt", "the conversation")
         raise BadRequest(param, message, err.status) from None
+    return attrs.evolve(completion, thinking_opened=text.rstrip().endswith(THINK_OPEN))
 
 
 class Metrics:
@@ -364,8 +368,10 @@ class _Completions:
 
     def __init__(self, app_state, completion: Completion, chat: bool = False):
         self.state, self.completion, self.chat = app_state, completion, chat
+        self.reasoning = chat and app_state.reasoning_parser is not None  # replies split at </think>
         self.id, self.created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
         self._opened: set[int] = set()  # chat choices whose first chunk (the one naming the role) was sent
+        self._splits: dict[int, ReasoningSplit] = {}  # with a reasoning parser: each streamed choice's split
         self.events: asyncio.Queue = asyncio.Queue()
         aloop, now = asyncio.get_running_loop(), time.perf_counter()
         tokenizer = app_state.tokenizer
@@ -454,18 +460,31 @@ class _Completions:
                 "choices": choices}
 
     def choice_json(self, index: int, text: str, token_ids: list[int], finish_reason: str | None) -> dict:
-        """A whole choice: its text (a chat choice: the assistant's message) and ids."""
-        reply = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
+        """A whole choice: its text (a chat choice: the assistant's message, its reasoning apart with a reasoning
+        parser) and ids."""
+        if not self.chat:
+            reply = {"text": text}
+        elif self.reasoning:
+            reasoning, content = ReasoningSplit(self.completion.thinking_opened).push(text, final=True)
+            reply = {"message": {"role": "assistant", "content": content, "reasoning_content": reasoning or None}}
+        else:
+            reply = {"message": {"role": "assistant", "content": text}}
         return {"index": index, **reply, "token_ids": token_ids, "logprobs": None, "finish_reason": finish_reason}
 
     def chunk_json(self, index: int, text: str, token_ids: list[int], finish_reason: str | None) -> dict:
-        """A streamed piece of a choice; a chat choice's first piece names the role (OpenAI's delta)."""
+        """A streamed piece of a choice; a chat choice's first piece names the role (OpenAI's delta), and with a
+        reasoning parser the piece goes to `reasoning_content` or `content` as the split says."""
         if not self.chat:
             return self.choice_json(index, text, token_ids, finish_reason)
-        delta = {"content": text} if text else {}
+        if self.reasoning:
+            split = self._splits.setdefault(index, ReasoningSplit(self.completion.thinking_opened))
+            reasoning, text = split.push(text, final=finish_reason is not None)
+            delta = {**({"reasoning_content": reasoning} if reasoning else {}), **({"content": text} if text else {})}
+        else:
+            delta = {"content": text} if text else {}
         if index not in self._opened:
             self._opened.add(index)
-            delta = {"role": "assistant", "content": text}
+            delta = {"role": "assistant", "content": text, **delta}
         return {"index": index, "delta": delta, "token_ids": token_ids, "logprobs": None,
                 "finish_reason": finish_reason}
 
@@ -476,6 +495,7 @@ class _AppState:
     info: ModelInfo
     tokenizer: object
     metrics: Metrics
+    reasoning_parser: str | None = None
 
 
 async def _disconnected(receive) -> None:
@@ -484,17 +504,23 @@ async def _disconnected(receive) -> None:
         pass
 
 
+REASONING_PARSERS = ("think",)  # <think> ... </think> (frontend/chat.py ReasoningSplit)
+
+
 def create_app(loop: EngineLoop, info: ModelInfo, tokenizer=None, metrics: Metrics | None = None,
-               chat_template=None):
+               chat_template=None, reasoning_parser: str | None = None):
     """The ASGI application; `loop` must be started (and stopped) by the caller. Pass the Metrics whose `on_state`
-    the loop reports to, and the model's ChatTemplate (frontend/chat.py) for /v1/chat/completions (without one, a
-    chat request gets 400 saying so)."""
+    the loop reports to, the model's ChatTemplate (frontend/chat.py) for /v1/chat/completions (without one, a
+    chat request gets 400 saying so), and a reasoning parser (REASONING_PARSERS) to return chat replies' reasoning
+    as `reasoning_content` apart from their content."""
+    if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
+        raise UsageError(f"unknown reasoning parser {reasoning_parser!r}; choose {', '.join(REASONING_PARSERS)}")
     from starlette.applications import Starlette
     from starlette.requests import Request as HttpRequest
     from starlette.responses import JSONResponse, Response, StreamingResponse
     from starlette.routing import Route
 
-    state = _AppState(loop, info, tokenizer, metrics or Metrics())
+    state = _AppState(loop, info, tokenizer, metrics or Metrics(), reasoning_parser)
 
     def error(err: BadRequest) -> JSONResponse:
         return JSONResponse(err.body(), status_code=err.status)
