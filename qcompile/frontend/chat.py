@@ -227,12 +227,18 @@ def text_messages(messages) -> list[dict]:
     return plain
 
 
+def chat_prompt(tokenizer, template: ChatTemplate, messages: list[dict], add_generation_prompt: bool = True,
+                variables: dict | None = None) -> tuple[str, list[int]]:
+    """The prompt text of a conversation and its token ids: rendered, then encoded without special tokens added
+    (the template wrote them), as transformers' apply_chat_template(tokenize=True) gives them."""
+    text = template.render(messages, add_generation_prompt, variables)
+    return text, tokenizer.encode(text, add_special_tokens=False).ids
+
+
 def encode_chat(tokenizer, template: ChatTemplate, messages: list[dict], add_generation_prompt: bool = True,
                 variables: dict | None = None) -> list[int]:
-    """The token ids of a conversation: rendered, then encoded without special tokens added (the template wrote
-    them), as transformers' apply_chat_template(tokenize=True) gives them."""
-    text = template.render(messages, add_generation_prompt, variables)
-    return tokenizer.encode(text, add_special_tokens=False).ids
+    """The token ids of a conversation (chat_prompt's)."""
+    return chat_prompt(tokenizer, template, messages, add_generation_prompt, variables)[1]
 
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"

@@ -36,7 +36,7 @@ from collections.abc import Callable
 import attrs
 
 from qcompile.errors import UsageError
-from qcompile.frontend.chat import THINK_OPEN, ChatError, ReasoningSplit, text_messages
+from qcompile.frontend.chat import THINK_OPEN, ChatError, ReasoningSplit, chat_prompt, text_messages
 from qcompile.frontend.tokenizer import TextStream
 from qcompile.runtime.sampling import Sampling
 from qcompile.runtime.scheduler import Request
@@ -114,7 +114,6 @@ class Completion:
     stream: bool
     include_usage: bool
     thinking_opened: bool = False  # a chat prompt that ends inside a <think> block its template opened
-
 
     def sampling(self, choice: int) -> Sampling:
         if self.temperature == 0:
@@ -280,8 +279,7 @@ def parse_chat(body, info: ModelInfo, tokenizer, template) -> Completion:
     if not isinstance(generation_prompt, bool):
         raise BadRequest("add_generation_prompt", "'add_generation_prompt' must be true or false")
     try:
-        text = template.render(messages, generation_prompt, variables)
-        ids = tokenizer.encode(text, add_special_tokens=False).ids  # as encode_chat: the template wrote them
+        text, ids = chat_prompt(tokenizer, template, messages, generation_prompt, variables)
     except ChatError as err:
         raise BadRequest("messages", str(err)) from None
     except (TypeError, ValueError, UnicodeError) as err:  # e.g. a lone surrogate escape
