@@ -57,7 +57,7 @@ def cli():
     qcompile run CHECKPOINT|OUT --prompt-ids 1,2,3           generate: greedy, or --temperature (checkpoint or artifact)
     qcompile bench CHECKPOINT|OUT [--compare transformers]    throughput, latency and % of roofline
     qcompile check OUT|CHECKPOINT --prompts FILE             optimized vs unoptimized on your prompts
-    qcompile serve CHECKPOINT|OUT [--port 8000]               OpenAI-compatible HTTP server (continuous batching)
+    qcompile serve CHECKPOINT|OUT [--port 8000]               OpenAI completions + chat server (continuous batching)
     qcompile plan CONFIG|CHECKPOINT --target tpu7x --chips 4  per-device memory and step cost of a deployment
     qcompile passes                                          list the optimization passes
     qcompile reproduce DIR                                   re-run a numerics failure's reproducer
