@@ -705,8 +705,12 @@ def bench_cmd(source, url, workload, scale, input_len, output_len, concurrency, 
 @click.option("--reasoning-parser", type=click.Choice(["think"]),
               help="Return a chat reply's <think> ... </think> block as message.reasoning_content (delta."
                    "reasoning_content when streamed), apart from its content (thinking models: Qwen3, Qwen3.5).")
+@click.option("--tool-call-parser", type=click.Choice(["hermes"]),
+              help="Accept chat requests' tools (rendered by the chat template) and return the reply's "
+                   "<tool_call>{...}</tool_call> blocks as message.tool_calls (Qwen3, Qwen3-Next).")
 def serve_cmd(source, host, port, served_model_name, passes_spec, dtype, max_seqs, max_context, num_pages,
-              max_step_tokens, memory_budget, verify, no_warmup, mesh_spec, chat_template_path, reasoning_parser):
+              max_step_tokens, memory_budget, verify, no_warmup, mesh_spec, chat_template_path, reasoning_parser,
+              tool_call_parser):
     """Serve CHECKPOINT (or an artifact) over HTTP with OpenAI's completions and chat APIs (docs/serving.md).
 
     \b
@@ -806,7 +810,7 @@ def serve_cmd(source, host, port, served_model_name, passes_spec, dtype, max_seq
         loop = EngineLoop(Scheduler(engine), metrics.on_state)
         metrics.on_state(loop.state())
         loop.start()
-        app = create_app(loop, info, tokenizer, metrics, chat_template, reasoning_parser)
+        app = create_app(loop, info, tokenizer, metrics, chat_template, reasoning_parser, tool_call_parser)
         bound = sock.getsockname()
         shown = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
         click.echo(f"qcompile: serving {name} on http://{shown}:{bound[1]} ({engine.cache_cfg.max_seqs} sequences "

@@ -4,7 +4,7 @@ transformers gives a template (tojson without HTML escaping, namespace, loop con
 raise_exception); where a template comes from (chat_template.jinja, tokenizer_config.json as text or as named
 templates, an override file); what is refused (a template that does not compile, one that refuses the messages,
 the sandbox's refusals, variables that would replace the conversation); and a reply's <think> block split from its
-content, the same whichever pieces the text arrives in.
+content, and its <tool_call> blocks taken out as calls, the same whichever pieces the text arrives in.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 
 from qcompile.errors import UsageError
 from qcompile.frontend.chat import (CHAT_TEMPLATE_FILE, TINY_CHAT_TEMPLATE, ChatError, ChatTemplate, ReasoningSplit,
-                                    encode_chat, load_chat_template)
+                                    ToolCallStream, encode_chat, load_chat_template)
 from qcompile.frontend.tiny import write_tiny
 from qcompile.frontend.tokenizer import load_tokenizer
 
@@ -206,3 +206,35 @@ def test_a_reply_splits_at_its_think_block_whatever_its_pieces(reply, opened, re
         for i, piece in enumerate(split.finish()):
             got[i] += piece
         assert tuple(got) == (reasoning, content), points
+
+
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Zürich", "days": 2}}\n</tool_call>'
+TOOL_REPLIES = [  # (content of a reply, content without its calls, the calls)
+    (CALL, "", [{"name": "get_weather", "arguments": '{"city": "Zürich", "days": 2}'}]),
+    ("Let me check.\n" + CALL + '\n<tool_call>{"name": "now"}</tool_call>', "Let me check.\n\n",
+     [{"name": "get_weather", "arguments": '{"city": "Zürich", "days": 2}'}, {"name": "now", "arguments": "{}"}]),
+    ('<tool_call>{"name": "f", "arguments": "{\\"raw\\": 1}"}</tool_call>', "", [{"name": "f", "arguments": '{"raw": 1}'}]),
+    ("<tool_call>{not json}</tool_call> after", "<tool_call>{not json}</tool_call> after", []),
+    ('<tool_call>{"arguments": {}}</tool_call>', '<tool_call>{"arguments": {}}</tool_call>', []),  # no name
+    ('cut short <tool_call>{"name": "f"', 'cut short <tool_call>{"name": "f"', []),
+    ("a < b, <tool_c", "a < b, <tool_c", []),
+]
+
+
+@pytest.mark.parametrize("reply, content, calls", TOOL_REPLIES)
+def test_tool_calls_are_taken_out_whatever_the_pieces(reply, content, calls):
+    """Hermes-style calls (Qwen3, Qwen3-Next): each closed block whose JSON names a function is a call, its
+    arguments as JSON text; anything else stays text. Cut at every pair of points and one character a piece, the
+    reply gives the same content and calls as whole."""
+    import itertools
+
+    assert ToolCallStream().push(reply, final=True) == (content, calls)
+    ways = [*itertools.combinations(range(1, len(reply)), 2), tuple(range(1, len(reply)))]
+    for way in ways:
+        points = [0, *way, len(reply)]
+        stream, got, made = ToolCallStream(), "", []
+        for a, b in zip(points, points[1:]):
+            text, new = stream.push(reply[a:b])
+            got, made = got + text, made + new
+        text, new = stream.finish()
+        assert (got + text, made + new) == (content, calls), points

@@ -66,12 +66,14 @@ def alone(model):
 class Server:
     """A uvicorn server on 127.0.0.1 (any free port) over an engine loop, in a thread of this process."""
 
-    def __init__(self, engine, tokenizer, eos_ids=(), chat_template=None, reasoning_parser=None):
+    def __init__(self, engine, tokenizer, eos_ids=(), chat_template=None, reasoning_parser=None,
+                 tool_call_parser=None):
         self.engine = engine
         self.metrics = Metrics()
         self.loop = EngineLoop(Scheduler(engine), self.metrics.on_state).start()
         self.info = ModelInfo("small", 512, engine.cache_cfg.max_context, tuple(eos_ids))
-        app = create_app(self.loop, self.info, tokenizer, self.metrics, chat_template, reasoning_parser)
+        app = create_app(self.loop, self.info, tokenizer, self.metrics, chat_template, reasoning_parser,
+                         tool_call_parser)
         sock = bind("127.0.0.1", 0)
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
         self.server = uvicorn_server(app, sock)
@@ -568,6 +570,72 @@ def test_a_reasoning_parser_returns_the_think_block_apart(model, tokenizer, chat
             assert "".join(d.get("content", "") for d in deltas) == content
         with pytest.raises(UsageError, match="unknown reasoning parser"):
             create_app(srv.loop, srv.info, tokenizer, srv.metrics, thinking, reasoning_parser="r1")
+    finally:
+        srv.close()
+
+
+def test_a_chat_reply_streams_the_message_it_gives_whole():
+    """ChatReply (a chat choice as OpenAI's message): with a reasoning parser and tools, a reply's <think> block is
+    reasoning_content, its calls tool_calls (finish_reason tool_calls where it was stop; content null when only
+    whitespace is left), and its deltas — at any cut — add up to the same message."""
+    from qcompile.runtime.server import ChatReply
+
+    reply = ('<think>\nthe user wants weather\n</think>\n\n<tool_call>\n{"name": "weather", "arguments": '
+             '{"city": "Bern"}}\n</tool_call>\n<tool_call>{"name": "now"}</tool_call>')
+    message, reason = ChatReply(reasoning=True, tools=True).message(reply, "stop")
+    calls = [{"type": "function", "function": {"name": "weather", "arguments": '{"city": "Bern"}'}},
+             {"type": "function", "function": {"name": "now", "arguments": "{}"}}]
+    assert reason == "tool_calls" and message["content"] is None
+    assert message["reasoning_content"] == "the user wants weather"
+    assert [{k: v for k, v in c.items() if k != "id"} for c in message["tool_calls"]] == calls
+    assert all(c["id"].startswith("call_") for c in message["tool_calls"])
+    assert ChatReply(tools=True).message(reply, "length")[1] == "length"  # cut short: not a finished call turn
+    plain, reason = ChatReply(reasoning=True, tools=True).message("Just text.", "stop")
+    assert plain == {"role": "assistant", "content": "Just text.", "reasoning_content": None} and reason == "stop"
+    for step in (1, 3, 7, 40):
+        chat, deltas, reason = ChatReply(reasoning=True, tools=True), [], None
+        pieces = [reply[i:i + step] for i in range(0, len(reply), step)]
+        for i, piece in enumerate(pieces):
+            delta, reason = chat.delta(piece, "stop" if i == len(pieces) - 1 else None)
+            deltas.append(delta)
+        assert deltas[0]["role"] == "assistant" and all("role" not in d for d in deltas[1:]) and reason == "tool_calls"
+        assert "".join(d.get("reasoning_content", "") for d in deltas) == message["reasoning_content"]
+        assert "".join(d.get("content", "") for d in deltas).strip() == ""
+        streamed = [c for d in deltas for c in d.get("tool_calls", [])]
+        assert [c["index"] for c in streamed] == [0, 1]
+        assert [{k: v for k, v in c.items() if k not in ("id", "index")} for c in streamed] == calls
+
+
+def test_tools_reach_the_template_with_a_tool_call_parser(model, tokenizer, chat_template):
+    """serve --tool-call-parser hermes: `tools` are rendered by the template (tool_choice "none": not), a forced
+    choice or malformed tools are refused naming the field; the random model calls nothing, so its reply is the
+    plain text. Without the parser `tools` are refused (test_bad_chat_requests_...)."""
+    from qcompile.frontend.chat import TINY_CHAT_TEMPLATE, ChatTemplate, encode_chat
+
+    with_tools = ChatTemplate.compile("{%- if tools %}<s>tools\n{%- for tool in tools %}{{ tool | tojson }}\n"
+                                      "{%- endfor %}</s>\n{%- endif %}" + TINY_CHAT_TEMPLATE, "tools",
+                                      chat_template.special_tokens)
+    tools = [{"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}]
+    srv = Server(model.engine(CacheConfig(max_seqs=2, max_context=128, max_step_tokens=16)), tokenizer,
+                 chat_template=with_tools, tool_call_parser="hermes")
+    try:
+        short = [{"role": "user", "content": "Time?"}]
+        plain_ids = encode_chat(tokenizer, with_tools, short)
+        tool_ids = len(tokenizer.encode(with_tools.render(short, tools=tools), add_special_tokens=False).ids)
+        for extra, prompt_tokens in (({"tools": tools}, tool_ids), ({"tools": tools, "tool_choice": "none"},
+                                                                    len(plain_ids)), ({}, len(plain_ids))):
+            body = {"messages": short, "max_tokens": 4, "temperature": 0, **extra}
+            reply = httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=60).json()
+            assert "usage" in reply and reply["usage"]["prompt_tokens"] == prompt_tokens, (extra, reply)
+            assert "tool_calls" not in reply["choices"][0]["message"] and reply["choices"][0]["finish_reason"] == "length"
+        assert tool_ids > len(plain_ids)
+        for extra, param in (({"tools": tools, "tool_choice": "required"}, "tool_choice"),
+                             ({"tools": [{"type": "function", "function": {"parameters": {}}}]}, "tools"),
+                             ({"tools": "now"}, "tools")):
+            response = httpx.post(srv.url + "/v1/chat/completions", json={"messages": short, **extra}, timeout=30)
+            assert response.status_code == 400 and response.json()["error"]["param"] == param
+        with pytest.raises(UsageError, match="unknown tool-call parser"):
+            create_app(srv.loop, srv.info, tokenizer, srv.metrics, with_tools, tool_call_parser="mistral")
     finally:
         srv.close()
 

@@ -133,8 +133,10 @@ class ChatTemplate:
             raise UsageError(f"{source}: not a Jinja chat template{where}: {err.message or err}") from None
         return cls(text, source, dict(special_tokens or {}), compiled)
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True, variables: dict | None = None) -> str:
-        """The prompt text of `messages`; ChatError when the template refuses them or fails on them."""
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, variables: dict | None = None,
+               tools: list | None = None) -> str:
+        """The prompt text of `messages` (and the `tools` it may call, JSON schemas in OpenAI's form, as transformers
+        hands them to a template); ChatError when the template refuses them or fails on them."""
         import jinja2
 
         plain = [{key: value for key, value in message.items() if value is not None} for message in messages]
@@ -143,7 +145,7 @@ class ChatTemplate:
             raise ChatError(f"template variables may not be named {', '.join(taken)}")
         context = {**self.special_tokens, **(variables or {})}
         try:
-            return self._compiled.render(messages=plain, add_generation_prompt=add_generation_prompt, tools=None,
+            return self._compiled.render(messages=plain, add_generation_prompt=add_generation_prompt, tools=tools,
                                          documents=None, **context)
         except jinja2.TemplateError as err:  # raise_exception, undefined names, the sandbox's refusals
             raise ChatError(f"the chat template ({self.source}) refused the messages: {err.message or err}") from None
@@ -228,10 +230,10 @@ def text_messages(messages) -> list[dict]:
 
 
 def chat_prompt(tokenizer, template: ChatTemplate, messages: list[dict], add_generation_prompt: bool = True,
-                variables: dict | None = None) -> tuple[str, list[int]]:
+                variables: dict | None = None, tools: list | None = None) -> tuple[str, list[int]]:
     """The prompt text of a conversation and its token ids: rendered, then encoded without special tokens added
     (the template wrote them), as transformers' apply_chat_template(tokenize=True) gives them."""
-    text = template.render(messages, add_generation_prompt, variables)
+    text = template.render(messages, add_generation_prompt, variables, tools)
     return text, tokenizer.encode(text, add_special_tokens=False).ids
 
 
@@ -307,4 +309,68 @@ class ReasoningSplit:
 
     def finish(self) -> tuple[str, str]:
         """What is left once the reply has ended."""
+        return self.push("", final=True)
+
+
+TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
+
+
+def _tool_call(block: str) -> dict | None:
+    """A hermes tool call's {"name", "arguments"} as OpenAI's function call (arguments as JSON text); None when the
+    block is not one (then it stays text)."""
+    try:
+        call = json.loads(block)
+    except ValueError:
+        return None
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        return None
+    arguments = call.get("arguments", {})
+    if not isinstance(arguments, str):
+        arguments = json.dumps(arguments, ensure_ascii=False)
+    return {"name": call["name"], "arguments": arguments}
+
+
+class ToolCallStream:
+    """A reply's content with its tool calls taken out, a piece at a time, for `serve --tool-call-parser hermes`
+    (Qwen3 and Qwen3-Next write a call as `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, the
+    format of the Hermes function-calling models their templates follow).
+
+    Text outside the blocks is content; a block whose JSON names a function becomes a call (its arguments as JSON
+    text, as OpenAI returns them); a block that does not parse, or is never closed, stays text. A block is held back
+    until it closes (a call is sent whole), and so is text that could still begin one. The pieces of content add up
+    to the reply's text without its calls, layout newlines included (`serve` returns a plain reply's content as null
+    when it is only whitespace beside calls)."""
+
+    def __init__(self):
+        self.pending = ""
+
+    def push(self, text: str, final: bool = False) -> tuple[str, list[dict]]:
+        """(content, calls) that may be sent now, given the content's next piece."""
+        self.pending += text
+        content, calls = "", []
+        while True:
+            start = self.pending.find(TOOL_OPEN)
+            if start < 0:
+                keep = 0 if final else next((k for k in range(min(len(TOOL_OPEN) - 1, len(self.pending)), 0, -1)
+                                             if self.pending.endswith(TOOL_OPEN[:k])), 0)
+                content += self.pending[:len(self.pending) - keep]
+                self.pending = self.pending[len(self.pending) - keep:]
+                break
+            end = self.pending.find(TOOL_CLOSE, start)
+            if end < 0:
+                content += self.pending[:start]
+                self.pending = self.pending[start:]
+                if final:
+                    content, self.pending = content + self.pending, ""
+                break
+            call = _tool_call(self.pending[start + len(TOOL_OPEN):end].strip())
+            if call is None:
+                content += self.pending[:end + len(TOOL_CLOSE)]
+            else:
+                content += self.pending[:start]
+                calls.append(call)
+            self.pending = self.pending[end + len(TOOL_CLOSE):]
+        return content, calls
+
+    def finish(self) -> tuple[str, list[dict]]:
         return self.push("", final=True)

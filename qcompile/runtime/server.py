@@ -36,7 +36,8 @@ from collections.abc import Callable
 import attrs
 
 from qcompile.errors import UsageError
-from qcompile.frontend.chat import THINK_OPEN, ChatError, ReasoningSplit, chat_prompt, text_messages
+from qcompile.frontend.chat import (THINK_OPEN, ChatError, ReasoningSplit, ToolCallStream, chat_prompt,
+                                    text_messages)
 from qcompile.frontend.tokenizer import TextStream
 from qcompile.runtime.sampling import Sampling
 from qcompile.runtime.scheduler import Request
@@ -51,7 +52,7 @@ FIELDS = {"model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "see
 UNSUPPORTED = {"echo": (False,), "logprobs": (), "best_of": (1,), "suffix": ("",), "presence_penalty": (0,),
                "frequency_penalty": (0,), "logit_bias": ({},)}
 #: The same for chat completions: a completion's fields but `prompt`, plus the conversation and its template's
-#: options. No tools: a tool call in the output would come back as text, not as tool_calls.
+#: options. Tools only where the server parses tool calls (--tool-call-parser): else a call would come back as text.
 CHAT_FIELDS = (FIELDS - {"prompt"}) | {"messages", "max_completion_tokens", "chat_template_kwargs",
                                       "add_generation_prompt"}
 CHAT_UNSUPPORTED = {"logprobs": (False,), "top_logprobs": (0,), "presence_penalty": (0,), "frequency_penalty": (0,),
@@ -114,6 +115,7 @@ class Completion:
     stream: bool
     include_usage: bool
     thinking_opened: bool = False  # a chat prompt that ends inside a <think> block its template opened
+    tools: bool = False  # a chat request that gave the model tools: its replies' tool calls are parsed out
 
     def sampling(self, choice: int) -> Sampling:
         if self.temperature == 0:
@@ -257,11 +259,33 @@ def parse_completion(body, info: ModelInfo, tokenizer=None) -> Completion:
         include_usage=bool(options.get("include_usage")))
 
 
-def parse_chat(body, info: ModelInfo, tokenizer, template) -> Completion:
+def _tools(body: dict) -> list | None:
+    """The request's tools (OpenAI's function schemas) for the template, or None: none given, or tool_choice
+    "none". A forced choice ("required", a named function) is refused: nothing would make the model comply."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if choice is not None and choice not in ("auto", "none"):
+        raise BadRequest("tool_choice", "'tool_choice' may be \"auto\" or \"none\" on this server (a forced call "
+                                        "is not supported)")
+    if tools is None or tools == []:
+        return None
+    if not isinstance(tools, list) or not all(
+            isinstance(t, dict) and t.get("type") == "function" and isinstance(t.get("function"), dict)
+            and isinstance(t["function"].get("name"), str) and isinstance(t["function"].get("parameters", {}), dict)
+            for t in tools):
+        raise BadRequest("tools", "'tools' must be a list of {\"type\": \"function\", \"function\": {\"name\": "
+                                  "..., \"parameters\": {...}}}")
+    return None if choice == "none" else tools
+
+
+def parse_chat(body, info: ModelInfo, tokenizer, template, tool_calls: bool = False) -> Completion:
     """Validate a /v1/chat/completions body and render its messages with `template` (frontend/chat.py's
     ChatTemplate) into token ids: the completion of those ids, as /v1/completions would serve them. BadRequest names
-    the first field that is wrong (`messages` for what the template refuses or a conversation too long)."""
-    _known_fields(body, CHAT_FIELDS, CHAT_UNSUPPORTED)
+    the first field that is wrong (`messages` for what the template refuses or a conversation too long).
+    `tool_calls` (a server with a tool-call parser): `tools` reach the template and the replies' calls are parsed."""
+    unsupported = {k: v for k, v in CHAT_UNSUPPORTED.items() if k not in ("tools", "tool_choice")} if tool_calls \
+        else CHAT_UNSUPPORTED
+    _known_fields(body, CHAT_FIELDS | ({"tools", "tool_choice"} if tool_calls else set()), unsupported)
+    tools = _tools(body) if tool_calls else None
     if template is None:
         raise BadRequest("messages", "this model has no chat template (chat_template.jinja, or tokenizer_config.json's "
                                      "chat_template): send a prompt to /v1/completions, or start the server with "
@@ -279,7 +303,7 @@ def parse_chat(body, info: ModelInfo, tokenizer, template) -> Completion:
     if not isinstance(generation_prompt, bool):
         raise BadRequest("add_generation_prompt", "'add_generation_prompt' must be true or false")
     try:
-        text, ids = chat_prompt(tokenizer, template, messages, generation_prompt, variables)
+        text, ids = chat_prompt(tokenizer, template, messages, generation_prompt, variables, tools)
     except ChatError as err:
         raise BadRequest("messages", str(err)) from None
     except (TypeError, ValueError, UnicodeError) as err:  # e.g. a lone surrogate escape
@@ -296,7 +320,7 @@ def parse_chat(body, info: ModelInfo, tokenizer, template) -> Completion:
         param = {"prompt": "messages", "max_tokens": limit_field}.get(err.param, err.param)
         message = err.message.replace("'max_tokens'", f"'{limit_field}'").replace("the prompt", "the conversation")
         raise BadRequest(param, message, err.status) from None
-    return attrs.evolve(completion, thinking_opened=text.rstrip().endswith(THINK_OPEN))
+    return attrs.evolve(completion, thinking_opened=text.rstrip().endswith(THINK_OPEN), tools=tools is not None)
 
 
 class Metrics:
@@ -367,9 +391,8 @@ class _Completions:
     def __init__(self, app_state, completion: Completion, chat: bool = False):
         self.state, self.completion, self.chat = app_state, completion, chat
         self.reasoning = chat and app_state.reasoning_parser is not None  # replies split at </think>
+        self._replies: dict[int, ChatReply] = {}  # each streamed chat choice's deltas so far
         self.id, self.created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
-        self._opened: set[int] = set()  # chat choices whose first chunk (the one naming the role) was sent
-        self._splits: dict[int, ReasoningSplit] = {}  # with a reasoning parser: each streamed choice's split
         self.events: asyncio.Queue = asyncio.Queue()
         aloop, now = asyncio.get_running_loop(), time.perf_counter()
         tokenizer = app_state.tokenizer
@@ -457,32 +480,23 @@ class _Completions:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.state.info.name,
                 "choices": choices}
 
+    def _reply(self) -> ChatReply:
+        return ChatReply(self.completion.thinking_opened, self.reasoning, self.completion.tools)
+
     def choice_json(self, index: int, text: str, token_ids: list[int], finish_reason: str | None) -> dict:
-        """A whole choice: its text (a chat choice: the assistant's message, its reasoning apart with a reasoning
-        parser) and ids."""
+        """A whole choice: its text (a chat choice: the assistant's message, ChatReply) and ids."""
         if not self.chat:
-            reply = {"text": text}
-        elif self.reasoning:
-            reasoning, content = ReasoningSplit(self.completion.thinking_opened).push(text, final=True)
-            reply = {"message": {"role": "assistant", "content": content, "reasoning_content": reasoning or None}}
-        else:
-            reply = {"message": {"role": "assistant", "content": text}}
-        return {"index": index, **reply, "token_ids": token_ids, "logprobs": None, "finish_reason": finish_reason}
+            return {"index": index, "text": text, "token_ids": token_ids, "logprobs": None,
+                    "finish_reason": finish_reason}
+        message, finish_reason = self._reply().message(text, finish_reason)
+        return {"index": index, "message": message, "token_ids": token_ids, "logprobs": None,
+                "finish_reason": finish_reason}
 
     def chunk_json(self, index: int, text: str, token_ids: list[int], finish_reason: str | None) -> dict:
-        """A streamed piece of a choice; a chat choice's first piece names the role (OpenAI's delta), and with a
-        reasoning parser the piece goes to `reasoning_content` or `content` as the split says."""
+        """A streamed piece of a choice (a chat choice's: its delta, ChatReply)."""
         if not self.chat:
             return self.choice_json(index, text, token_ids, finish_reason)
-        if self.reasoning:
-            split = self._splits.setdefault(index, ReasoningSplit(self.completion.thinking_opened))
-            reasoning, text = split.push(text, final=finish_reason is not None)
-            delta = {**({"reasoning_content": reasoning} if reasoning else {}), **({"content": text} if text else {})}
-        else:
-            delta = {"content": text} if text else {}
-        if index not in self._opened:
-            self._opened.add(index)
-            delta = {"role": "assistant", "content": text, **delta}
+        delta, finish_reason = self._replies.setdefault(index, self._reply()).delta(text, finish_reason)
         return {"index": index, "delta": delta, "token_ids": token_ids, "logprobs": None,
                 "finish_reason": finish_reason}
 
@@ -494,6 +508,56 @@ class _AppState:
     tokenizer: object
     metrics: Metrics
     reasoning_parser: str | None = None
+    tool_call_parser: str | None = None
+
+
+def _tool_call_json(call: dict) -> dict:
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": call}
+
+
+class ChatReply:
+    """One chat choice's text as OpenAI's assistant message: whole (`message`) or as streamed deltas (`delta`, one
+    reply per instance). With a reasoning parser its <think> block is `reasoning_content`; with tools the calls in it
+    are `tool_calls` (finish_reason `tool_calls` where it would be `stop`). The deltas add up to the whole message."""
+
+    def __init__(self, thinking_opened: bool = False, reasoning: bool = False, tools: bool = False):
+        self.split = ReasoningSplit(thinking_opened) if reasoning else None
+        self.tool_calls = ToolCallStream() if tools else None
+        self.opened = False  # the first delta, which names the role, was made
+        self.calls = 0  # calls streamed so far
+
+    def message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
+        """The whole reply's message and finish_reason (a fresh instance: it reads the text from the start)."""
+        message = {"role": "assistant", "content": text}
+        if self.split is not None:
+            reasoning, message["content"] = self.split.push(text, final=True)
+            message["reasoning_content"] = reasoning or None
+        if self.tool_calls is not None:
+            content, calls = self.tool_calls.push(message["content"], final=True)
+            if calls:
+                message["content"] = content if content.strip() else None
+                message["tool_calls"] = [_tool_call_json(call) for call in calls]
+                finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+        return message, finish_reason
+
+    def delta(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
+        """The delta of the reply's next piece of text (finish_reason given with the last piece) and the
+        finish_reason to send with it."""
+        final, reasoning, calls = finish_reason is not None, "", []
+        if self.split is not None:
+            reasoning, text = self.split.push(text, final)
+        if self.tool_calls is not None:
+            text, calls = self.tool_calls.push(text, final)
+        delta = {**({"reasoning_content": reasoning} if reasoning else {}), **({"content": text} if text else {})}
+        if calls:
+            delta["tool_calls"] = [{"index": self.calls + i, **_tool_call_json(call)} for i, call in enumerate(calls)]
+            self.calls += len(calls)
+        if final and self.calls and finish_reason == "stop":
+            finish_reason = "tool_calls"
+        if not self.opened:
+            self.opened = True
+            delta = {"role": "assistant", "content": text, **delta}
+        return delta, finish_reason
 
 
 async def _disconnected(receive) -> None:
@@ -503,22 +567,26 @@ async def _disconnected(receive) -> None:
 
 
 REASONING_PARSERS = ("think",)  # <think> ... </think> (frontend/chat.py ReasoningSplit)
+TOOL_CALL_PARSERS = ("hermes",)  # <tool_call>{"name", "arguments"}</tool_call> (frontend/chat.py ToolCallStream)
 
 
 def create_app(loop: EngineLoop, info: ModelInfo, tokenizer=None, metrics: Metrics | None = None,
-               chat_template=None, reasoning_parser: str | None = None):
+               chat_template=None, reasoning_parser: str | None = None, tool_call_parser: str | None = None):
     """The ASGI application; `loop` must be started (and stopped) by the caller. Pass the Metrics whose `on_state`
     the loop reports to, the model's ChatTemplate (frontend/chat.py) for /v1/chat/completions (without one, a
     chat request gets 400 saying so), and a reasoning parser (REASONING_PARSERS) to return chat replies' reasoning
-    as `reasoning_content` apart from their content."""
+    as `reasoning_content` apart from their content, and a tool-call parser (TOOL_CALL_PARSERS) to accept `tools`
+    and return the calls in replies as `tool_calls`."""
     if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
         raise UsageError(f"unknown reasoning parser {reasoning_parser!r}; choose {', '.join(REASONING_PARSERS)}")
+    if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
+        raise UsageError(f"unknown tool-call parser {tool_call_parser!r}; choose {', '.join(TOOL_CALL_PARSERS)}")
     from starlette.applications import Starlette
     from starlette.requests import Request as HttpRequest
     from starlette.responses import JSONResponse, Response, StreamingResponse
     from starlette.routing import Route
 
-    state = _AppState(loop, info, tokenizer, metrics or Metrics(), reasoning_parser)
+    state = _AppState(loop, info, tokenizer, metrics or Metrics(), reasoning_parser, tool_call_parser)
 
     def error(err: BadRequest) -> JSONResponse:
         return JSONResponse(err.body(), status_code=err.status)
@@ -559,7 +627,8 @@ def create_app(loop: EngineLoop, info: ModelInfo, tokenizer=None, metrics: Metri
             except (ValueError, RecursionError):
                 raise BadRequest(None, "the request body is not valid JSON") from None
             if chat:  # rendering and tokenising may take seconds: off the event loop, which serves every client
-                completion = await asyncio.to_thread(parse_chat, body, info, tokenizer, chat_template)
+                completion = await asyncio.to_thread(parse_chat, body, info, tokenizer, chat_template,
+                                                     tool_call_parser is not None)
             elif _has_text(body):
                 completion = await asyncio.to_thread(parse_completion, body, info, tokenizer)
             else:
