@@ -5,7 +5,8 @@ What must hold: concurrent requests of different lengths get exactly the greedy 
 preemption in a deliberately small page pool; streaming sends the same tokens and text as a plain request; stop
 strings cut the text before them; a client that goes away — streaming or not — gets its slot and pages freed; bad
 requests get 400 (404 for an unknown model) with an error naming the field; /health, /v1/models, /metrics answer;
-a chat request is the completion of its messages rendered by the chat template, in OpenAI's chat shapes.
+a chat request is the completion of its messages rendered by the chat template, in OpenAI's chat shapes (with
+reasoning and tool calls parsed out when the server is asked to).
 """
 
 from __future__ import annotations

@@ -4,8 +4,9 @@ Endpoints: `POST /v1/completions` (OpenAI's completions API: a prompt as text, t
 max_tokens, temperature, top_p, top_k, seed, n, stop, stop_token_ids, ignore_eos, stream as server-sent events with
 stream_options.include_usage), `POST /v1/chat/completions` (OpenAI's chat API: `messages` rendered with the model's
 chat template, frontend/chat.py, then served as a completion of those ids; max_completion_tokens or max_tokens,
-default the rest of the context; vLLM's chat_template_kwargs and add_generation_prompt), `GET /v1/models`,
-`GET /health`, `GET /metrics` (Prometheus text format).
+default the rest of the context; vLLM's chat_template_kwargs and add_generation_prompt; with a reasoning parser
+the reply's <think> block as reasoning_content, with a tool-call parser `tools` and the reply's calls as tool_calls:
+ChatReply), `GET /v1/models`, `GET /health`, `GET /metrics` (Prometheus text format).
 Every choice carries `token_ids`, the generated ids, so a checkpoint without a tokenizer is fully usable (its `text`
 is ""). Fields follow the OpenAI reference; where it is silent, vLLM's server: `top_k`, `stop_token_ids`,
 `ignore_eos`, `token_ids`, and `max_model_len` in /v1/models. Defaults are OpenAI's (max_tokens 16, temperature 1:
