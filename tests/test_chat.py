@@ -14,8 +14,9 @@ import json
 import pytest
 
 from qcompile.errors import UsageError
-from qcompile.frontend.chat import (CHAT_TEMPLATE_FILE, TINY_CHAT_TEMPLATE, ChatError, ChatTemplate, ReasoningSplit,
-                                    ToolCallStream, encode_chat, load_chat_template)
+from qcompile.frontend.chat import (CHAT_TEMPLATE_FILE, TINY_CHAT_TEMPLATE, ChatError, ChatTemplate, encode_chat,
+                                    load_chat_template)
+from qcompile.frontend.replies import ReasoningSplit, ToolCallStream
 from qcompile.frontend.tiny import write_tiny
 from qcompile.frontend.tokenizer import load_tokenizer
 

@@ -541,10 +541,11 @@ def test_bad_chat_requests_get_an_error_naming_the_field(server, body, param, wo
 
 def test_a_reasoning_parser_returns_the_think_block_apart(model, tokenizer, chat_template):
     """serve --reasoning-parser think: the reply's text — the same tokens as without the parser — comes back split
-    (frontend/chat.py ReasoningSplit) into reasoning_content and content, plain and streamed alike; whether the
+    (frontend/replies.py ReasoningSplit) into reasoning_content and content, plain and streamed alike; whether the
     reply starts inside the block is read from the prompt (a template that opened <think>). The random model never
     writes </think>, so an opened block holds the whole reply, and an unopened one none of it."""
-    from qcompile.frontend.chat import TINY_CHAT_TEMPLATE, ChatTemplate, ReasoningSplit, encode_chat
+    from qcompile.frontend.chat import TINY_CHAT_TEMPLATE, ChatTemplate, encode_chat
+    from qcompile.frontend.replies import ReasoningSplit
 
     thinking = ChatTemplate.compile(TINY_CHAT_TEMPLATE + "{%- if add_generation_prompt and think is defined %}"
                                     "<think>\n{%- endif %}", "thinking", chat_template.special_tokens)

@@ -37,8 +37,8 @@ from collections.abc import Callable
 import attrs
 
 from qcompile.errors import UsageError
-from qcompile.frontend.chat import (THINK_OPEN, ChatError, ReasoningSplit, ToolCallStream, chat_prompt,
-                                    text_messages)
+from qcompile.frontend.chat import ChatError, chat_prompt, text_messages
+from qcompile.frontend.replies import THINK_OPEN, ReasoningSplit, ToolCallStream
 from qcompile.frontend.tokenizer import TextStream
 from qcompile.runtime.sampling import Sampling
 from qcompile.runtime.scheduler import Request
@@ -567,8 +567,8 @@ async def _disconnected(receive) -> None:
         pass
 
 
-REASONING_PARSERS = ("think",)  # <think> ... </think> (frontend/chat.py ReasoningSplit)
-TOOL_CALL_PARSERS = ("hermes",)  # <tool_call>{"name", "arguments"}</tool_call> (frontend/chat.py ToolCallStream)
+REASONING_PARSERS = ("think",)  # <think> ... </think> (frontend/replies.py ReasoningSplit)
+TOOL_CALL_PARSERS = ("hermes",)  # <tool_call>{"name", "arguments"}</tool_call> (frontend/replies.py ToolCallStream)
 
 
 def create_app(loop: EngineLoop, info: ModelInfo, tokenizer=None, metrics: Metrics | None = None,
