@@ -20,15 +20,15 @@ stream whose step failed gets the error as an event, then [DONE]. A client that 
 cancels its requests between steps, so their slots and pages go back at once. Text prompts are tokenised off the
 event loop.
 
-The engine runs on its own thread (runtime/serving.py); this module only translates: HTTP ↔ requests, ids ↔ text
-(frontend/tokenizer.py's TextStream, with stop strings) and the metrics.
+The engine runs on its own thread (runtime/serving.py); this module only translates: HTTP ↔ requests (their
+bodies validated by runtime/requests.py), ids ↔ text (frontend/tokenizer.py's TextStream, with stop strings;
+ChatReply for chat) and the metrics.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import random
 import socket
 import time
 import uuid
@@ -37,292 +37,15 @@ from collections.abc import Callable
 import attrs
 
 from qcompile.errors import UsageError
-from qcompile.frontend.chat import ChatError, chat_prompt, text_messages
-from qcompile.frontend.replies import THINK_OPEN, ReasoningSplit, ToolCallStream
+from qcompile.frontend.replies import ReasoningSplit, ToolCallStream
 from qcompile.frontend.tokenizer import TextStream
-from qcompile.runtime.sampling import Sampling
+from qcompile.runtime.requests import (MAX_BODY_BYTES, BadRequest, Completion, ModelInfo, has_text_prompts, parse_chat,
+                                       parse_completion)
 from qcompile.runtime.scheduler import Request
 from qcompile.runtime.serving import EngineLoop, LoopState
 
 __all__ = ["BadRequest", "Completion", "Metrics", "ModelInfo", "bind", "create_app", "parse_chat", "parse_completion",
            "uvicorn_server"]
-
-#: OpenAI completion fields this server reads, and the ones it accepts only at their no-op values (null too).
-FIELDS = {"model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "n", "stop", "stop_token_ids",
-          "ignore_eos", "stream", "stream_options", "user"}
-UNSUPPORTED = {"echo": (False,), "logprobs": (), "best_of": (1,), "suffix": ("",), "presence_penalty": (0,),
-               "frequency_penalty": (0,), "logit_bias": ({},)}
-#: The same for chat completions: a completion's fields but `prompt`, plus the conversation and its template's
-#: options. Tools only where the server parses tool calls (--tool-call-parser): else a call would come back as text.
-CHAT_FIELDS = (FIELDS - {"prompt"}) | {"messages", "max_completion_tokens", "chat_template_kwargs",
-                                      "add_generation_prompt"}
-CHAT_UNSUPPORTED = {"logprobs": (False,), "top_logprobs": (0,), "presence_penalty": (0,), "frequency_penalty": (0,),
-                    "logit_bias": ({},), "tools": ([],), "tool_choice": ("none",), "parallel_tool_calls": (True, False),
-                    "response_format": ({"type": "text"},)}
-
-
-# Request limits: a body, stop strings and stop ids no client needs more of (OpenAI allows 4 stop strings); past
-# them a request is refused at once instead of tokenising or matching for seconds on the event loop.
-MAX_BODY_BYTES = 4 << 20
-MAX_STOP, MAX_STOP_CHARS, MAX_STOP_IDS = 16, 256, 256
-# Choices (prompts × n) per request: each is a request in the engine, made and cancelled one by one; 64 000 of them
-# (1000 prompts × n 64, a 6 KB body) held the event loop ~2 s and the engine thread ~3 s when the client left.
-MAX_CHOICES = 256
-
-
-def _same_value(value, no_op) -> bool:
-    """value == no_op as JSON means it: 0 and 0.0 alike, but a boolean only equals a boolean (True is not 1)."""
-    if isinstance(value, bool) or isinstance(no_op, bool):
-        return value is no_op
-    numbers = isinstance(value, (int, float)) and isinstance(no_op, (int, float))
-    return (numbers or type(value) is type(no_op)) and value == no_op
-
-
-@attrs.frozen
-class ModelInfo:
-    name: str
-    vocab_size: int
-    max_context: int
-    eos_ids: tuple[int, ...]
-    created: int = attrs.Factory(lambda: int(time.time()))
-
-
-class BadRequest(Exception):
-    """A request the server refuses: HTTP `status` with OpenAI's error object naming `param`."""
-
-    def __init__(self, param: str | None, message: str, status: int = 400):
-        super().__init__(message)
-        self.param, self.message, self.status = param, message, status
-
-    def body(self) -> dict:
-        kind = "invalid_request_error" if self.status < 500 else "server_error"
-        code = "model_not_found" if self.status == 404 else None
-        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": code}}
-
-
-@attrs.frozen
-class Completion:
-    """A parsed completions request: one choice per (prompt, i < n), in that order."""
-
-    prompts: tuple[tuple[int, ...], ...]
-    max_tokens: int
-    n: int
-    temperature: float
-    top_p: float
-    top_k: int
-    seed: int | None
-    stop: tuple[str, ...]
-    stop_ids: tuple[int, ...]
-    stream: bool
-    include_usage: bool
-    thinking_opened: bool = False  # a chat prompt that ends inside a <think> block its template opened
-    tools: bool = False  # a chat request that gave the model tools: its replies' tool calls are parsed out
-
-    def sampling(self, choice: int) -> Sampling:
-        if self.temperature == 0:
-            return Sampling()
-        seed = random.getrandbits(32) if self.seed is None else (self.seed + choice) % 2**32
-        return Sampling(self.temperature, self.top_k, self.top_p, seed)
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _number(body: dict, field: str, default, low: float, high: float, low_open: bool = False) -> float:
-    value = body.get(field)
-    if value is None:
-        return default
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or value != value:
-        raise BadRequest(field, f"'{field}' must be a number, got {json.dumps(value)}")
-    if value < low or value > high or (low_open and value == low):
-        where = f"({low}, {high}]" if low_open else f"[{low}, {high}]"
-        raise BadRequest(field, f"'{field}' must be in {where}, got {value}")
-    return float(value)
-
-
-def _integer(body: dict, field: str, default, low: int, high: int | None = None):
-    value = body.get(field)
-    if value is None:
-        return default
-    if not _is_int(value) or value < low or (high is not None and value > high):
-        limit = f">= {low}" if high is None else f"in {low}..{high}"
-        raise BadRequest(field, f"'{field}' must be an integer {limit}, got {json.dumps(value)}")
-    return value
-
-
-def _prompts(body: dict, info: ModelInfo, tokenizer) -> list[list[int]]:
-    prompt = body.get("prompt")
-    if prompt is None:
-        raise BadRequest("prompt", "'prompt' is required: text, a list of token ids, or a list of either")
-    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt)):
-        prompt = [prompt]
-    if not isinstance(prompt, list) or not prompt:
-        raise BadRequest("prompt", "'prompt' must be text, a non-empty list of token ids, or a list of either")
-    if len(prompt) > MAX_CHOICES:  # before tokenising them
-        raise BadRequest("prompt", f"at most {MAX_CHOICES} prompts a request, got {len(prompt)}")
-    texts = [item for item in prompt if isinstance(item, str)]
-    if texts and tokenizer is None:
-        raise BadRequest("prompt", "this model has no tokenizer.json: send the prompt as token ids")
-    try:  # encode_batch releases the GIL while it works (encode holds it: a 4 MB prompt stalled every client 2-3 s)
-        encoded = iter([e.ids for e in tokenizer.encode_batch(texts)] if texts else [])
-    except (TypeError, ValueError, UnicodeError) as err:  # e.g. a lone surrogate escape
-        raise BadRequest("prompt", f"the prompt text cannot be encoded ({type(err).__name__})") from None
-    ids: list[list[int]] = []
-    for item in prompt:
-        if isinstance(item, str):
-            item = next(encoded)
-        elif not (isinstance(item, list) and all(_is_int(t) for t in item)):
-            raise BadRequest("prompt", "'prompt' must be text, a list of token ids, or a list of either")
-        if not item:
-            raise BadRequest("prompt", "'prompt' is empty (no tokens)")
-        bad = [t for t in item if not 0 <= t < info.vocab_size]
-        if bad:
-            raise BadRequest("prompt", f"token id {bad[0]} is outside the vocabulary (0..{info.vocab_size - 1})")
-        ids.append(list(item))
-    return ids
-
-
-def _has_text(body) -> bool:
-    """Whether a request body holds text prompts (which need tokenising)."""
-    prompt = body.get("prompt") if isinstance(body, dict) else None
-    return isinstance(prompt, str) or (isinstance(prompt, list) and any(isinstance(p, str) for p in prompt))
-
-
-def _known_fields(body, fields: set, unsupported: dict) -> None:
-    """A JSON object whose every field is read, or given at its no-op value; BadRequest names the first that is not."""
-    if not isinstance(body, dict):
-        raise BadRequest(None, "the request body must be a JSON object")
-    for field in body:
-        if field in unsupported:
-            value = body[field]
-            if value is not None and not any(_same_value(value, no_op) for no_op in unsupported[field]):
-                raise BadRequest(field, f"'{field}' is not supported by this server")
-        elif field not in fields:
-            raise BadRequest(field, f"unknown field '{field}'")
-
-
-def parse_completion(body, info: ModelInfo, tokenizer=None) -> Completion:
-    """Validate a /v1/completions body; BadRequest names the first field that is wrong."""
-    _known_fields(body, FIELDS, UNSUPPORTED)
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise BadRequest("model", f"'model' must be a string, got {json.dumps(model)}")
-    if model is not None and model != info.name:
-        raise BadRequest("model", f"the model '{model}' does not exist; this server has '{info.name}'", 404)
-    n = _integer(body, "n", 1, 1, 64)
-    prompts = _prompts(body, info, tokenizer)
-    if len(prompts) * n > MAX_CHOICES:
-        raise BadRequest("n", f"{len(prompts)} prompts × n {n} is more than {MAX_CHOICES} choices a request")
-    max_tokens = _integer(body, "max_tokens", 16, 1)
-    longest = max(len(p) for p in prompts)
-    if longest >= info.max_context:
-        raise BadRequest("prompt", f"the prompt has {longest} tokens; this server's context is {info.max_context}")
-    if longest + max_tokens > info.max_context:
-        raise BadRequest("max_tokens", f"prompt ({longest} tokens) + max_tokens ({max_tokens}) exceed this "
-                                       f"server's context of {info.max_context} tokens")
-    stop = body.get("stop")
-    if isinstance(stop, str):
-        stop = [stop]
-    if stop is not None and not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
-        raise BadRequest("stop", "'stop' must be a string or a list of strings")
-    if stop and tokenizer is None:
-        raise BadRequest("stop", "stop strings need the model's tokenizer.json; use stop_token_ids")
-    if stop and (len(stop) > MAX_STOP or any(len(s) > MAX_STOP_CHARS for s in stop)):
-        raise BadRequest("stop", f"at most {MAX_STOP} stop strings of at most {MAX_STOP_CHARS} characters")
-    stop_ids = [] if body.get("stop_token_ids") is None else body["stop_token_ids"]
-    if not (isinstance(stop_ids, list) and len(stop_ids) <= MAX_STOP_IDS
-            and all(_is_int(t) and 0 <= t < info.vocab_size for t in stop_ids)):
-        raise BadRequest("stop_token_ids", f"'stop_token_ids' must be a list of at most {MAX_STOP_IDS} token ids "
-                                           "in the vocabulary")
-    flags = {}
-    for field in ("ignore_eos", "stream"):
-        flags[field] = False if body.get(field) is None else body[field]
-        if not isinstance(flags[field], bool):  # 0 or "" too: OpenAI refuses a non-boolean
-            raise BadRequest(field, f"'{field}' must be true or false, got {json.dumps(flags[field])}")
-    options = {} if body.get("stream_options") is None else body["stream_options"]
-    if not isinstance(options, dict) or set(options) - {"include_usage"} or \
-            not isinstance(options.get("include_usage", False), bool):
-        raise BadRequest("stream_options", "'stream_options' may only hold include_usage: true|false")
-    if options and not flags["stream"]:
-        raise BadRequest("stream_options", "'stream_options' needs stream: true")
-    eos = () if flags["ignore_eos"] else info.eos_ids
-    temperature = _number(body, "temperature", 1.0, 0, 2)
-    seed = body.get("seed")
-    if seed is not None and not _is_int(seed):
-        raise BadRequest("seed", f"'seed' must be an integer, got {json.dumps(seed)}")
-    return Completion(
-        prompts=tuple(tuple(p) for p in prompts), max_tokens=max_tokens, n=n,
-        temperature=temperature, top_p=_number(body, "top_p", 1.0, 0, 1, low_open=True),
-        top_k=min(max(0, _integer(body, "top_k", 0, -1)), info.vocab_size),  # -1 and 0: off; past V: all
-        seed=None if seed is None else seed % 2**32, stop=tuple(stop or ()),
-        stop_ids=tuple(dict.fromkeys([*eos, *stop_ids])), stream=flags["stream"],
-        include_usage=bool(options.get("include_usage")))
-
-
-def _tools(body: dict) -> list | None:
-    """The request's tools (OpenAI's function schemas) for the template, or None: none given, or tool_choice
-    "none". A forced choice ("required", a named function) is refused: nothing would make the model comply."""
-    tools, choice = body.get("tools"), body.get("tool_choice")
-    if choice is not None and choice not in ("auto", "none"):
-        raise BadRequest("tool_choice", "'tool_choice' may be \"auto\" or \"none\" on this server (a forced call "
-                                        "is not supported)")
-    if tools is None or tools == []:
-        return None
-    if not isinstance(tools, list) or not all(
-            isinstance(t, dict) and t.get("type") == "function" and isinstance(t.get("function"), dict)
-            and isinstance(t["function"].get("name"), str) and isinstance(t["function"].get("parameters", {}), dict)
-            for t in tools):
-        raise BadRequest("tools", "'tools' must be a list of {\"type\": \"function\", \"function\": {\"name\": "
-                                  "..., \"parameters\": {...}}}")
-    return None if choice == "none" else tools
-
-
-def parse_chat(body, info: ModelInfo, tokenizer, template, tool_calls: bool = False) -> Completion:
-    """Validate a /v1/chat/completions body and render its messages with `template` (frontend/chat.py's
-    ChatTemplate) into token ids: the completion of those ids, as /v1/completions would serve them. BadRequest names
-    the first field that is wrong (`messages` for what the template refuses or a conversation too long).
-    `tool_calls` (a server with a tool-call parser): `tools` reach the template and the replies' calls are parsed."""
-    unsupported = {k: v for k, v in CHAT_UNSUPPORTED.items() if k not in ("tools", "tool_choice")} if tool_calls \
-        else CHAT_UNSUPPORTED
-    _known_fields(body, CHAT_FIELDS | ({"tools", "tool_choice"} if tool_calls else set()), unsupported)
-    tools = _tools(body) if tool_calls else None
-    if template is None:
-        raise BadRequest("messages", "this model has no chat template (chat_template.jinja, or tokenizer_config.json's "
-                                     "chat_template): send a prompt to /v1/completions, or start the server with "
-                                     "--chat-template FILE")
-    if tokenizer is None:
-        raise BadRequest("messages", "chat needs the model's tokenizer.json: send token ids to /v1/completions")
-    try:
-        messages = text_messages(body.get("messages"))
-    except ChatError as err:
-        raise BadRequest("messages", str(err)) from None
-    variables = {} if body.get("chat_template_kwargs") is None else body["chat_template_kwargs"]
-    if not isinstance(variables, dict):
-        raise BadRequest("chat_template_kwargs", "'chat_template_kwargs' must be an object of template variables")
-    generation_prompt = True if body.get("add_generation_prompt") is None else body["add_generation_prompt"]
-    if not isinstance(generation_prompt, bool):
-        raise BadRequest("add_generation_prompt", "'add_generation_prompt' must be true or false")
-    try:
-        text, ids = chat_prompt(tokenizer, template, messages, generation_prompt, variables, tools)
-    except ChatError as err:
-        raise BadRequest("messages", str(err)) from None
-    except (TypeError, ValueError, UnicodeError) as err:  # e.g. a lone surrogate escape
-        raise BadRequest("messages", f"the conversation's text cannot be encoded ({type(err).__name__})") from None
-    if not ids:
-        raise BadRequest("messages", "the conversation renders to no tokens")
-    limit_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    request = {field: value for field, value in body.items() if field in FIELDS and field != "max_tokens"}
-    limit = body.get(limit_field)
-    request.update(prompt=ids, max_tokens=max(1, info.max_context - len(ids)) if limit is None else limit)
-    try:
-        completion = parse_completion(request, info, tokenizer)
-    except BadRequest as err:  # in the chat request's own terms
-        param = {"prompt": "messages", "max_tokens": limit_field}.get(err.param, err.param)
-        message = err.message.replace("'max_tokens'", f"'{limit_field}'").replace("the prompt", "the conversation")
-        raise BadRequest(param, message, err.status) from None
-    return attrs.evolve(completion, thinking_opened=text.rstrip().endswith(THINK_OPEN), tools=tools is not None)
-
 
 class Metrics:
     """The server's Prometheus metrics, in a registry of its own (several servers may share a process)."""
@@ -630,7 +353,7 @@ def create_app(loop: EngineLoop, info: ModelInfo, tokenizer=None, metrics: Metri
             if chat:  # rendering and tokenising may take seconds: off the event loop, which serves every client
                 completion = await asyncio.to_thread(parse_chat, body, info, tokenizer, chat_template,
                                                      tool_call_parser is not None)
-            elif _has_text(body):
+            elif has_text_prompts(body):
                 completion = await asyncio.to_thread(parse_completion, body, info, tokenizer)
             else:
                 completion = parse_completion(body, info, tokenizer)
