@@ -411,8 +411,9 @@ def run_cmd(checkpoint, prompt_ids, prompt_texts, chat_texts, system, chat_templ
     if chat_texts:
         from qcompile.frontend.chat import ChatError, encode_chat, load_chat_template
 
-        tokenizer = load_tokenizer(_tokenizer_dir(checkpoint), "--chat")
-        template = load_chat_template(_tokenizer_dir(checkpoint), chat_template_path)
+        tokenizer_dir = _tokenizer_dir(checkpoint)
+        tokenizer = load_tokenizer(tokenizer_dir, "--chat")
+        template = load_chat_template(tokenizer_dir, chat_template_path)
         if template is None:
             raise UsageError(f"--chat needs a chat template: {checkpoint} has none (chat_template.jinja, or "
                              "tokenizer_config.json's chat_template); give one with --chat-template FILE")

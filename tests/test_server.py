@@ -521,7 +521,8 @@ def test_a_streamed_chat_names_the_role_first_and_adds_up_to_the_reply(server):
      "text only"),
     ({"messages": [{"role": "tool", "content": "42"}]}, "messages", "not tool"),  # the template refuses it
     ({"messages": [{"role": "user", "content": "word " * 60}]}, "messages", "context"),
-    ({"messages": CHAT, "max_completion_tokens": 40}, "max_completion_tokens", "context"),
+    ({"messages": CHAT, "max_completion_tokens": 40}, "max_completion_tokens", "max_completion_tokens (40) exceed"),
+    ({"messages": CHAT, "max_tokens": 40}, "max_tokens", "conversation ("),
     ({"messages": CHAT, "max_tokens": 0}, "max_tokens", "max_tokens"),
     ({"messages": CHAT, "prompt": "hi"}, "prompt", "unknown field"),
     ({"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "not supported"),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import time
 
 import attrs
@@ -291,6 +292,7 @@ def parse_chat(body, info: ModelInfo, tokenizer, template, tool_calls: bool = Fa
         completion = parse_completion(request, info, tokenizer)
     except BadRequest as err:  # in the chat request's own terms
         param = {"prompt": "messages", "max_tokens": limit_field}.get(err.param, err.param)
-        message = err.message.replace("'max_tokens'", f"'{limit_field}'").replace("the prompt", "the conversation")
+        message = re.sub(r"\bmax_tokens\b", limit_field, err.message)
+        message = re.sub(r"\b(the )?prompt\b", lambda m: f"{m.group(1) or ''}conversation", message)
         raise BadRequest(param, message, err.status) from None
     return attrs.evolve(completion, thinking_opened=text.rstrip().endswith(THINK_OPEN), tools=tools is not None)
