@@ -706,9 +706,10 @@ def bench_cmd(source, url, workload, scale, input_len, output_len, concurrency, 
 @click.option("--reasoning-parser", type=click.Choice(["think"]),
               help="Return a chat reply's <think> ... </think> block as message.reasoning_content (delta."
                    "reasoning_content when streamed), apart from its content (thinking models: Qwen3, Qwen3.5).")
-@click.option("--tool-call-parser", type=click.Choice(["hermes"]),
-              help="Accept chat requests' tools (rendered by the chat template) and return the reply's "
-                   "<tool_call>{...}</tool_call> blocks as message.tool_calls (Qwen3, Qwen3-Next).")
+@click.option("--tool-call-parser", type=click.Choice(["hermes", "qwen3_coder"]),
+              help="Accept chat requests' tools (rendered by the chat template) and return the reply's calls as "
+                   "message.tool_calls: hermes reads <tool_call>{JSON}</tool_call> (Qwen3, Qwen3-Next), qwen3_coder "
+                   "<tool_call><function=NAME><parameter=K>...</tool_call> (Qwen3.5, Qwen3-Coder).")
 def serve_cmd(source, host, port, served_model_name, passes_spec, dtype, max_seqs, max_context, num_pages,
               max_step_tokens, memory_budget, verify, no_warmup, mesh_spec, chat_template_path, reasoning_parser,
               tool_call_parser):

@@ -239,3 +239,38 @@ def test_tool_calls_are_taken_out_whatever_the_pieces(reply, content, calls):
             got, made = got + text, made + new
         text, new = stream.finish()
         assert (got + text, made + new) == (content, calls), points
+
+
+# A template that renders content parts itself (as Qwen3.5's does: each text part in turn, no separator) and one
+# that reads content as text only (as Qwen3's and Qwen3-Next's: anything else becomes "").
+PARTS_TEMPLATE = """\
+{%- macro show(content) %}{% if content is string %}{{ content }}{% else %}{% for item in content %}\
+{% if item.type == "text" %}[{{ item.text }}]{% endif %}{% endfor %}{% endif %}{% endmacro %}
+{%- for message in messages %}<{{ message.role }}>{{ show(message.content) }}</{{ message.role }}>{% endfor %}"""
+TEXT_TEMPLATE = """\
+{%- for message in messages %}{% if message.content is string %}{% set content = message.content %}\
+{% else %}{% set content = "" %}{% endif %}<{{ message.role }}>{{ content }}</{{ message.role }}>{% endfor %}"""
+
+
+def test_content_parts_reach_a_template_that_reads_them_and_are_joined_for_one_that_does_not(hf_tokenizer):
+    """OpenAI's content parts: a template that loops over them gets the list, rendering as transformers does; one
+    that reads text only gets them joined by newlines (vLLM's choice; transformers would hand it the list, and a
+    Qwen3-style template would render an empty turn). A mistake either way changes the text."""
+    from qcompile.frontend.chat import text_messages
+
+    messages = text_messages([{"role": "user", "content": [{"type": "text", "text": "Two"},
+                                                          {"type": "text", "text": "parts"}]},
+                              {"role": "assistant", "content": "plain"}])
+    parts = ChatTemplate.compile(PARTS_TEMPLATE, "parts")
+    text_only = ChatTemplate.compile(TEXT_TEMPLATE, "text")
+    assert parts.reads_parts and not text_only.reads_parts
+    want = hf_tokenizer.apply_chat_template(messages, chat_template=PARTS_TEMPLATE, tokenize=False)
+    assert parts.render(messages, False) == want == "<user>[Two][parts]</user><assistant>plain</assistant>"
+    assert text_only.render(messages, False) == "<user>Two\nparts</user><assistant>plain</assistant>"
+    assert hf_tokenizer.apply_chat_template(messages, chat_template=TEXT_TEMPLATE, tokenize=False).startswith(
+        "<user></user>")  # what handing the list over would do
+    for template, reads in (("{{ messages[0].content | map(attribute='text') | join(' ') }}", True),
+                            ("{% for m in messages %}{% for p in m['content'] %}{{ p.text }}{% endfor %}{% endfor %}",
+                             True),
+                            ("{% for m in messages %}{{ m.content }}{% endfor %}", False)):
+        assert ChatTemplate.compile(template, "t").reads_parts is reads, template

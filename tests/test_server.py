@@ -31,10 +31,8 @@ httpx = pytest.importorskip("httpx")
 from qcompile.errors import UsageError  # noqa: E402
 from qcompile.frontend.tokenizer import TOKENIZER_FILE, train_tiny_tokenizer  # noqa: E402
 from qcompile.ir.abi import CacheConfig  # noqa: E402
-from qcompile.runtime.scheduler import Scheduler  # noqa: E402
-from qcompile.runtime.server import (BadRequest, Metrics, ModelInfo, bind, create_app, parse_completion,  # noqa: E402
-                                     uvicorn_server)
-from qcompile.runtime.serving import EngineLoop  # noqa: E402
+from qcompile.runtime.server import BadRequest, ModelInfo, create_app, parse_completion  # noqa: E402
+from server_harness import Server  # noqa: E402
 
 PROMPTS = [[3, 17, 42, 9, 250], [(7 * i + 5) % 500 + 3 for i in range(23)], [11, 12], [400, 3, 99, 7, 7, 7, 2],
            [(11 * i + 1) % 480 + 9 for i in range(14)]]
@@ -62,43 +60,6 @@ def alone(model):
     """Each prompt's greedy tokens, generated on its own by the engine."""
     engine = model.engine(CacheConfig(max_seqs=1, max_context=64, max_step_tokens=8))
     return [engine.generate([p], n)["tokens"][0] for p, n in zip(PROMPTS, NEW)]
-
-
-class Server:
-    """A uvicorn server on 127.0.0.1 (any free port) over an engine loop, in a thread of this process."""
-
-    def __init__(self, engine, tokenizer, eos_ids=(), chat_template=None, reasoning_parser=None,
-                 tool_call_parser=None):
-        self.engine = engine
-        self.metrics = Metrics()
-        self.loop = EngineLoop(Scheduler(engine), self.metrics.on_state).start()
-        self.info = ModelInfo("small", 512, engine.cache_cfg.max_context, tuple(eos_ids))
-        app = create_app(self.loop, self.info, tokenizer, self.metrics, chat_template, reasoning_parser,
-                         tool_call_parser)
-        sock = bind("127.0.0.1", 0)
-        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self.server = uvicorn_server(app, sock)
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.02)
-
-    def close(self):
-        self.server.should_exit = True
-        self.thread.join(15)
-        self.loop.stop()
-
-    def pool_full(self) -> bool:
-        state = self.loop.state()
-        return state.kv_pages_used == 0 and state.slots_used == 0 and state.running == state.waiting == 0
-
-    def wait_pool_full(self, seconds: float = 30) -> None:
-        deadline = time.monotonic() + seconds
-        while not self.pool_full():
-            assert time.monotonic() < deadline, f"pages or slots still held: {self.loop.state()}"
-            time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")
@@ -300,7 +261,9 @@ def test_cancelling_half_of_many_streams_leaves_the_pool_full(server):
     ({"prompt": [1], "stream": "yes"}, 400, "stream"),
     ({"prompt": [1], "stream": 0}, 400, "stream"),  # not a boolean: OpenAI refuses it (it passed as false)
     ({"prompt": [1], "ignore_eos": 1}, 400, "ignore_eos"),
-    ({"prompt": [1], "echo": True}, 400, "echo"),
+    ({"prompt": [1], "echo": 1}, 400, "echo"),
+    ({"prompt": [1], "logprobs": 21}, 400, "logprobs"),  # past TOP_LOGPROBS
+    ({"prompt": [1], "logprobs": True}, 400, "logprobs"),
     ({"prompt": [1], "model": "gpt-4"}, 404, "model"),
     ({"prompt": [1], "stop": [f"s{i}" for i in range(17)]}, 400, "stop"),
     ({"prompt": [1], "stop_token_ids": list(range(257))}, 400, "stop_token_ids"),
@@ -526,7 +489,10 @@ def test_a_streamed_chat_names_the_role_first_and_adds_up_to_the_reply(server):
     ({"messages": CHAT, "max_tokens": 0}, "max_tokens", "max_tokens"),
     ({"messages": CHAT, "prompt": "hi"}, "prompt", "unknown field"),
     ({"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "not supported"),
-    ({"messages": CHAT, "logprobs": True}, "logprobs", "not supported"),
+    ({"messages": CHAT, "logprobs": 1}, "logprobs", "true or false"),
+    ({"messages": CHAT, "top_logprobs": 2}, "top_logprobs", "needs 'logprobs': true"),
+    ({"messages": CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs", "in 0..20"),
+    ({"messages": CHAT, "echo": True}, "echo", "unknown field"),
     ({"messages": CHAT, "response_format": {"type": "json_object"}}, "response_format", "not supported"),
     ({"messages": CHAT, "chat_template_kwargs": [1]}, "chat_template_kwargs", "object"),
     ({"messages": CHAT, "chat_template_kwargs": {"messages": []}}, "messages", "may not be named"),
@@ -585,18 +551,18 @@ def test_a_chat_reply_streams_the_message_it_gives_whole():
 
     reply = ('<think>\nthe user wants weather\n</think>\n\n<tool_call>\n{"name": "weather", "arguments": '
              '{"city": "Bern"}}\n</tool_call>\n<tool_call>{"name": "now"}</tool_call>')
-    message, reason = ChatReply(reasoning=True, tools=True).message(reply, "stop")
+    message, reason = ChatReply(reasoning=True, tools=[]).message(reply, "stop")
     calls = [{"type": "function", "function": {"name": "weather", "arguments": '{"city": "Bern"}'}},
              {"type": "function", "function": {"name": "now", "arguments": "{}"}}]
     assert reason == "tool_calls" and message["content"] is None
     assert message["reasoning_content"] == "the user wants weather"
     assert [{k: v for k, v in c.items() if k != "id"} for c in message["tool_calls"]] == calls
     assert all(c["id"].startswith("call_") for c in message["tool_calls"])
-    assert ChatReply(tools=True).message(reply, "length")[1] == "length"  # cut short: not a finished call turn
-    plain, reason = ChatReply(reasoning=True, tools=True).message("Just text.", "stop")
+    assert ChatReply(tools=[]).message(reply, "length")[1] == "length"  # cut short: not a finished call turn
+    plain, reason = ChatReply(reasoning=True, tools=[]).message("Just text.", "stop")
     assert plain == {"role": "assistant", "content": "Just text.", "reasoning_content": None} and reason == "stop"
     for step in (1, 3, 7, 40):
-        chat, deltas, reason = ChatReply(reasoning=True, tools=True), [], None
+        chat, deltas, reason = ChatReply(reasoning=True, tools=[]), [], None
         pieces = [reply[i:i + step] for i in range(0, len(reply), step)]
         for i, piece in enumerate(pieces):
             delta, reason = chat.delta(piece, "stop" if i == len(pieces) - 1 else None)
@@ -609,8 +575,36 @@ def test_a_chat_reply_streams_the_message_it_gives_whole():
         assert [{k: v for k, v in c.items() if k not in ("id", "index")} for c in streamed] == calls
 
 
-def test_tools_reach_the_template_with_a_tool_call_parser(model, tokenizer, chat_template):
-    """serve --tool-call-parser hermes: `tools` are rendered by the template (tool_choice "none": not), a forced
+def test_a_qwen3_coder_chat_reply_types_its_arguments_by_the_requests_tools():
+    """ChatReply with the qwen3_coder parser (Qwen3.5's XML calls, after the thinking block its template opened): the call's
+    parameters come back typed by the request's tool schema (days an integer, city text even where it looks like
+    a number), and the deltas at any cut add up to the same message. The hermes parser leaves such a reply text."""
+    from qcompile.runtime.server import ChatReply
+
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object", "properties": {
+        "city": {"type": "string"}, "days": {"type": "integer"}, "metric": {"type": "boolean"}}}}}]
+    reply = ("weather, then\n</think>\n\nChecking.\n\n<tool_call>\n<function=weather>\n<parameter=city>\n"
+             "10115\n</parameter>\n<parameter=days>\n3\n</parameter>\n<parameter=metric>\nTrue\n</parameter>\n"
+             "</function>\n</tool_call>")
+    message, reason = ChatReply(True, reasoning=True, tools=tools, parser="qwen3_coder").message(reply, "stop")
+    assert reason == "tool_calls" and message["reasoning_content"] == "weather, then"
+    assert message["content"].strip() == "Checking."
+    (call,) = message["tool_calls"]
+    assert call["function"] == {"name": "weather", "arguments": '{"city": "10115", "days": 3, "metric": true}'}
+    hermes, _ = ChatReply(True, reasoning=True, tools=tools).message(reply, "stop")
+    assert "tool_calls" not in hermes and "<function=weather>" in hermes["content"]
+    for step in (1, 5, 64):
+        chat, deltas = ChatReply(True, reasoning=True, tools=tools, parser="qwen3_coder"), []
+        pieces = [reply[i:i + step] for i in range(0, len(reply), step)]
+        for i, piece in enumerate(pieces):
+            deltas.append(chat.delta(piece, "stop" if i == len(pieces) - 1 else None)[0])
+        assert "".join(d.get("content", "") for d in deltas) == message["content"]
+        assert [c["function"] for d in deltas for c in d.get("tool_calls", [])] == [call["function"]]
+
+
+@pytest.mark.parametrize("parser", ["hermes", "qwen3_coder"])
+def test_tools_reach_the_template_with_a_tool_call_parser(model, tokenizer, chat_template, parser):
+    """serve --tool-call-parser hermes or qwen3_coder: `tools` are rendered by the template (tool_choice "none": not), a forced
     choice or malformed tools are refused naming the field; the random model calls nothing, so its reply is the
     plain text. Without the parser `tools` are refused (test_bad_chat_requests_...)."""
     from qcompile.frontend.chat import TINY_CHAT_TEMPLATE, ChatTemplate, encode_chat
@@ -620,7 +614,7 @@ def test_tools_reach_the_template_with_a_tool_call_parser(model, tokenizer, chat
                                       chat_template.special_tokens)
     tools = [{"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}]
     srv = Server(model.engine(CacheConfig(max_seqs=2, max_context=128, max_step_tokens=16)), tokenizer,
-                 chat_template=with_tools, tool_call_parser="hermes")
+                 chat_template=with_tools, tool_call_parser=parser)
     try:
         short = [{"role": "user", "content": "Time?"}]
         plain_ids = encode_chat(tokenizer, with_tools, short)
@@ -676,13 +670,11 @@ def test_unsupported_fields_pass_at_their_no_op_values_only():
     """OpenAI clients send the fields this server does not implement at their defaults — null, {}, "", 0 or 0.0,
     false, 1 — and those must pass; anything that would change the result is refused, naming the field."""
     info = ModelInfo("m", 100, 64, (2,))
-    defaults = {"echo": False, "logprobs": None, "best_of": 1, "suffix": "", "presence_penalty": 0.0,
-                "frequency_penalty": 0, "logit_bias": {}}
+    defaults = {"best_of": 1, "suffix": "", "presence_penalty": 0.0, "frequency_penalty": 0, "logit_bias": {}}
     assert parse_completion({"prompt": [5], **defaults}, info).max_tokens == 16
     assert parse_completion({"prompt": [5], **{field: None for field in defaults}}, info).max_tokens == 16
-    for field, value in (("echo", True), ("logprobs", 1), ("logprobs", 0), ("best_of", 2), ("best_of", True),
-                         ("suffix", " end"), ("presence_penalty", 0.5), ("frequency_penalty", -1),
-                         ("logit_bias", {"5": 100}), ("echo", 0)):
+    for field, value in (("best_of", 2), ("best_of", True), ("suffix", " end"), ("presence_penalty", 0.5),
+                         ("frequency_penalty", -1), ("logit_bias", {"5": 100})):
         with pytest.raises(BadRequest) as err:
             parse_completion({"prompt": [5], field: value}, info)
         assert err.value.param == field, (field, value)

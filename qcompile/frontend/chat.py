@@ -116,6 +116,7 @@ class ChatTemplate:
     source: str
     special_tokens: dict = attrs.field(factory=dict)
     _compiled: object = attrs.field(default=None, eq=False, repr=False)
+    reads_parts: bool = False  # it reads a message's content as a list of parts (else parts are joined first)
 
     @classmethod
     def compile(cls, text: str, source: str, special_tokens: dict | None = None) -> "ChatTemplate":
@@ -131,7 +132,7 @@ class ChatTemplate:
         except jinja2.TemplateError as err:
             where = f" (line {err.lineno})" if getattr(err, "lineno", None) else ""
             raise UsageError(f"{source}: not a Jinja chat template{where}: {err.message or err}") from None
-        return cls(text, source, dict(special_tokens or {}), compiled)
+        return cls(text, source, dict(special_tokens or {}), compiled, _reads_parts(env.parse(text)))
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True, variables: dict | None = None,
                tools: list | None = None) -> str:
@@ -139,7 +140,8 @@ class ChatTemplate:
         hands them to a template); ChatError when the template refuses them or fails on them."""
         import jinja2
 
-        plain = [{key: value for key, value in message.items() if value is not None} for message in messages]
+        plain = [{key: value if key != "content" or self.reads_parts else _joined(value)
+                  for key, value in message.items() if value is not None} for message in messages]
         taken = sorted(set(variables or {}) & {"messages", "add_generation_prompt", "tools", "documents"})
         if taken:
             raise ChatError(f"template variables may not be named {', '.join(taken)}")
@@ -207,9 +209,37 @@ def load_chat_template(directory: Path | None, override: Path | None = None) -> 
     return ChatTemplate.compile(template, f"{config_path}'s chat_template", tokens)
 
 
+def _is_content(node) -> bool:
+    """Whether a template expression names a message's content: `content`, `x.content` or `x['content']`."""
+    from jinja2 import nodes
+
+    while isinstance(node, nodes.Filter) and node.node is not None:
+        node = node.node
+    return (isinstance(node, nodes.Name) and node.name == "content") or \
+        (isinstance(node, nodes.Getattr) and node.attr == "content") or \
+        (isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Const) and node.arg.value == "content")
+
+
+def _reads_parts(tree) -> bool:
+    """Whether a template reads content given as OpenAI's list of parts: it loops over content, or maps, joins or
+    selects over it (Qwen3.5's renders each part; Qwen3's sets a content that is not text to ""). Such a template
+    gets the parts as transformers hands them over; any other gets them joined by newlines, as vLLM does for
+    templates that read content as text only."""
+    from jinja2 import nodes
+
+    return any(_is_content(loop.iter) for loop in tree.find_all(nodes.For)) or any(
+        f.name in ("map", "join", "selectattr", "first", "last") and _is_content(f.node)
+        for f in tree.find_all(nodes.Filter))
+
+
+def _joined(content):
+    return "\n".join(part["text"] for part in content) if isinstance(content, list) else content
+
+
 def text_messages(messages) -> list[dict]:
     """A conversation as a text model's template reads it: each message an object with a string role, its content
-    text, null, or OpenAI's text parts (joined by newlines); other fields as given. ChatError says what is wrong."""
+    text, null, or OpenAI's text parts (kept as a list: ChatTemplate.render joins them for a template that reads
+    text only); other fields as given. ChatError says what is wrong."""
     if not isinstance(messages, list) or not messages:
         raise ChatError("'messages' must be a non-empty list of {\"role\": ..., \"content\": ...}")
     plain = []
@@ -222,7 +252,7 @@ def text_messages(messages) -> list[dict]:
                        for part in content):
                 raise ChatError(f"messages[{i}].content: this model reads text only, as a string or parts "
                                 '{"type": "text", "text": ...}')
-            content = "\n".join(part["text"] for part in content)
+            content = [{"type": "text", "text": part["text"]} for part in content]
         elif content is not None and not isinstance(content, str):
             raise ChatError(f"messages[{i}].content must be text, a list of text parts, or null")
         plain.append({**message, "content": content})

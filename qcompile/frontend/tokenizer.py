@@ -146,3 +146,50 @@ class TextStream:
         piece = self.text[self.sent:max(end, self.sent)]
         self.sent = max(end, self.sent)
         return piece
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """The printable character a byte-level BPE vocabulary writes for each byte (GPT-2's table): printable Latin-1
+    stands for itself, the other bytes for 256, 257, ... in byte order."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    shifted = [b for b in range(256) if b not in kept]
+    return {**{chr(b): b for b in kept}, **{chr(256 + n): b for n, b in enumerate(shifted)}}
+
+
+class TokenStrings:
+    """Each token id's own bytes and text, as servers report tokens in `logprobs` (OpenAI's `token` and `bytes`).
+
+    A byte-level BPE token (Qwen's tokenizers) is a run of bytes that may end inside a UTF-8 character: its bytes
+    come from the vocabulary's spelling through the byte alphabet, and its text is those bytes decoded with U+FFFD
+    for an incomplete character (what decode([id]) gives). A special or added token is its content; any other
+    tokenizer's token is decode([id]). An id past the tokenizer's vocabulary is `token_id:N` (vLLM's spelling) with
+    no bytes. Cached per id: a server asks for the same few thousand tokens again and again."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.size = tokenizer.get_vocab_size()
+        self.added = {i: t.content for i, t in tokenizer.get_added_tokens_decoder().items()}
+        self.byte_level = type(tokenizer.decoder).__name__ == "ByteLevel"
+        self.alphabet = _byte_level_alphabet() if self.byte_level else {}
+        self._cache: dict[int, tuple[str, list[int] | None]] = {}
+
+    def _bytes(self, token: int) -> bytes:
+        if token in self.added:
+            return self.added[token].encode("utf-8")
+        spelling = self.tokenizer.id_to_token(token)
+        if self.byte_level and spelling is not None and all(c in self.alphabet for c in spelling):
+            return bytes(self.alphabet[c] for c in spelling)
+        return self.tokenizer.decode([token], skip_special_tokens=False).encode("utf-8")
+
+    def __call__(self, token: int) -> tuple[str, list[int] | None]:
+        """(text, bytes) of one token id."""
+        found = self._cache.get(token)
+        if found is None:
+            if 0 <= token < self.size:
+                raw = self._bytes(token)
+                found = (raw.decode("utf-8", errors="replace"), list(raw))
+            else:
+                found = (f"token_id:{token}", None)
+            if len(self._cache) < 1 << 20:
+                self._cache[token] = found
+        return found

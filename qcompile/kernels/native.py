@@ -81,6 +81,8 @@ KERNELS = {
     "qcompile_moe_dispatch": ("moe_routes.cc", "QcompileMoeDispatch"),
     "qcompile_moe_combine_f32": ("moe_routes.cc", "QcompileMoeCombineF32"),
     "qcompile_moe_combine_bf16": ("moe_routes.cc", "QcompileMoeCombineBf16"),
+    "qcompile_token_logprobs_f32": ("token_logprobs.cc", "QcompileTokenLogprobsF32"),
+    "qcompile_token_logprobs_bf16": ("token_logprobs.cc", "QcompileTokenLogprobsBf16"),
 }
 
 _registered: dict[str, bool] = {}

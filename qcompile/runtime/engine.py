@@ -36,14 +36,16 @@ from qcompile.ir.lowering import host_target, step_function
 from qcompile.ir.types import TensorType, np_dtype
 from qcompile.ir.weights import param_types
 from qcompile.kernels import native
+from qcompile.kernels.logprobs import token_logprobs
 from qcompile.runtime.distributed import to_host
-from qcompile.runtime.sampling import sample, warm_sampler
+from qcompile.runtime.sampling import GREEDY, sample, warm_sampler
 from qcompile.runtime.memory import (CompiledBuckets, cache_bytes, compiled_memory, gib, peak_rss, resident,
                                      step_intermediates, weight_bytes)
 
 ZERO_SLOT = "qcompile_zero_slot"
 
-__all__ = ["CacheConfig", "Engine", "GraphProgram", "LaunchedStep", "PendingToken", "Sequence"]
+__all__ = ["CacheConfig", "Engine", "GraphProgram", "ItemLogprobs", "LaunchedStep", "PendingToken", "Sequence",
+           "TokenLogprob"]
 
 
 @attrs.define
@@ -53,15 +55,53 @@ class Sequence:
     length: int = 0  # tokens already in the cache
 
 
+@attrs.frozen
+class TokenLogprob:
+    """A token's log-probability where the model put it, and the TOP_LOGPROBS most likely tokens there (id,
+    log-probability), most likely first (kernels/logprobs.py)."""
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+@attrs.frozen
+class ItemLogprobs:
+    """What a launched step scored for one work item: its fed tokens' successors (`prompt`, in feeding order) and
+    the token it made (`next`), each where asked."""
+    prompt: tuple[TokenLogprob, ...] = ()
+    next: TokenLogprob | None = None
+
+
 class LaunchedStep:
     """A step dispatched to the device (`Engine.launch_tokens`) whose next tokens may not be back yet: `tokens()`
     waits for them and reads them, once; `token(i)` names work item i's token without reading it, for the next step
-    to take as its input on the device (pipelined decoding)."""
+    to take as its input on the device (pipelined decoding); `logprobs()` reads what the step scored."""
 
-    def __init__(self, produced, rows: list[int]):
+    def __init__(self, produced, rows: list[int], scored=None):
         self.produced = produced  # the device array of next-token ids
         self.rows = rows          # each work item's entry in it
         self._tokens: list[int] | None = None
+        # (device (logprob, top logprobs, top ids, scored token), per item (fed tokens scored, next token scored?))
+        self._scored = scored
+        self._logprobs: list[ItemLogprobs] | None = None
+
+    def logprobs(self) -> list[ItemLogprobs]:
+        """Per work item, the log-probabilities the step was asked for (empty ones where none were)."""
+        if self._logprobs is None:
+            if self._scored is None:
+                self._logprobs = [ItemLogprobs() for _ in self.rows]
+                return self._logprobs
+            arrays, layout = self._scored
+            chosen, top_logprob, top_id, targets = (to_host(a) for a in arrays)
+            entries = [TokenLogprob(int(targets[j]), float(chosen[j]),
+                                    tuple(zip(map(int, top_id[j]), map(float, top_logprob[j]))))
+                       for j in range(sum(count + wants for count, wants in layout))]
+            self._logprobs, at = [], 0
+            for count, wants in layout:
+                self._logprobs.append(ItemLogprobs(tuple(entries[at:at + count]),
+                                                   entries[at + count] if wants else None))
+                at += count + wants
+        return self._logprobs
 
     def token(self, index: int) -> "PendingToken":
         return PendingToken(self, index)
@@ -84,6 +124,12 @@ class PendingToken:
     cannot take it on the device)."""
     step: LaunchedStep
     index: int
+
+
+@jax.jit
+def _scored_tokens(drawn, source, fixed):
+    """The token each scored row is scored against: drawn[source] where source >= 0 (a made token), else fixed."""
+    return jnp.where(source >= 0, drawn[jnp.maximum(source, 0)].astype(jnp.int32), fixed)
 
 
 @jax.jit
@@ -442,22 +488,56 @@ class Engine:
         return self.launch_tokens(work, sampling, counters).tokens()
 
     def launch_tokens(self, work: list[tuple[Sequence, list]], sampling: list | None = None,
-                      counters: list[int] | None = None) -> LaunchedStep:
+                      counters: list[int] | None = None, logprobs: list[bool] | None = None,
+                      prompt_targets: list[list[int] | None] | None = None) -> LaunchedStep:
         """`step_tokens` without waiting for the step: dispatch it and return at once. A work item's tokens may
         hold pending tokens of an earlier launched step (`LaunchedStep.token(i)`), which this step takes on the
         device: a decode loop launches step N + 1 before it reads step N's tokens, so the host's part of a step
         (packing, dispatch: ~1 ms) runs while the device computes the one before (one sequence of the bench preset:
-        11.7 ms a step read back each time, 9.8 ms pipelined; docs/benchmarks.md)."""
-        if sampling is None or all(p.greedy for p in sampling):
+        11.7 ms a step read back each time, 9.8 ms pipelined; docs/benchmarks.md).
+
+        Log-probabilities (kernels/logprobs.py; read with `LaunchedStep.logprobs()`): `logprobs[i]` scores work item
+        i's next token; `prompt_targets[i]`, the tokens that follow its first fed tokens (a prompt's next tokens),
+        scores each of those — that step then computes every fed token's logits row, as `step(all_logits=True)`."""
+        wants_next = list(logprobs) if logprobs is not None else [False] * len(work)
+        targets = [list(t or ()) for t in prompt_targets] if prompt_targets is not None else [[] for _ in work]
+        scoring = any(wants_next) or any(targets)
+        if not scoring and (sampling is None or all(p.greedy for p in sampling)):
             outputs = self._run(work, False, False)
             return LaunchedStep(outputs[NEXT_TOKENS], [rows[0] for rows in outputs["item_rows"]])
         # An artifact exports logits with its R = T buckets only (R = B ones return greedy ids): sample from those,
-        # each item's last row.
-        all_rows = not getattr(self.program, "samples", True)
+        # each item's last row. Scoring fed tokens needs every token's row.
+        all_rows = not getattr(self.program, "samples", True) or any(targets)
         outputs = self._run(work, all_rows, True)
-        drawn = sample(outputs[LOGITS], [rows[-1] for rows in outputs["item_rows"]], sampling,
+        item_rows = outputs["item_rows"]
+        drawn = sample(outputs[LOGITS], [rows[-1] for rows in item_rows], sampling or [GREEDY] * len(work),
                        counters if counters is not None else [0] * len(work))
-        return LaunchedStep(drawn, list(range(len(work))))
+        scored = self._score(outputs[LOGITS], drawn, item_rows, wants_next, targets) if scoring else None
+        return LaunchedStep(drawn, list(range(len(work))), scored)
+
+    def _score(self, logits, drawn, item_rows, wants_next: list[bool], targets: list[list[int]]):
+        """Launch the log-probabilities a step was asked for: per item, its first len(targets[i]) rows scored
+        against those tokens, then (wants_next[i]) its last row against the token drawn there. One call for the
+        step, its length padded to a power of two (one program per size)."""
+        rows, fixed, source, layout = [], [], [], []
+        for index, (item, wants, known) in enumerate(zip(item_rows, wants_next, targets)):
+            if len(known) > len(item):
+                raise UsageError(f"work item {index}: {len(known)} tokens to score over {len(item)} rows")
+            rows += item[:len(known)]
+            fixed += known
+            source += [-1] * len(known)
+            if wants:
+                rows.append(item[-1])
+                fixed.append(0)
+                source.append(index)
+            layout.append((len(known), bool(wants)))
+        size = 1 << max(0, (len(rows) - 1).bit_length())
+        pad = size - len(rows)
+        rows, fixed, source = rows + [rows[0]] * pad, fixed + [0] * pad, source + [-1] * pad
+        chosen = _scored_tokens(drawn, jnp.asarray(source, jnp.int32), jnp.asarray(fixed, jnp.int32))
+        native_ok = None if self.feeds_on_device else False  # a mesh's logits: the jnp rule (sharded like them)
+        arrays = token_logprobs(logits, jnp.asarray(rows, jnp.int32), chosen, use_native=native_ok)
+        return (*arrays, chosen), layout
 
     def prefill(self, work: list[tuple[Sequence, list[int]]], all_logits: bool = False,
                 with_logits: bool = True) -> list:

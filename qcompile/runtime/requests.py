@@ -16,20 +16,21 @@ import attrs
 
 from qcompile.frontend.chat import ChatError, chat_prompt, text_messages
 from qcompile.frontend.replies import THINK_OPEN
+from qcompile.kernels.logprobs import TOP_LOGPROBS
 from qcompile.runtime.sampling import Sampling
 
 __all__ = ["BadRequest", "Completion", "ModelInfo", "parse_chat", "parse_completion"]
 
 #: OpenAI completion fields this server reads, and the ones it accepts only at their no-op values (null too).
 FIELDS = {"model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "n", "stop", "stop_token_ids",
-          "ignore_eos", "stream", "stream_options", "user"}
-UNSUPPORTED = {"echo": (False,), "logprobs": (), "best_of": (1,), "suffix": ("",), "presence_penalty": (0,),
-               "frequency_penalty": (0,), "logit_bias": ({},)}
+          "ignore_eos", "stream", "stream_options", "user", "logprobs", "echo"}
+UNSUPPORTED = {"best_of": (1,), "suffix": ("",), "presence_penalty": (0,), "frequency_penalty": (0,),
+               "logit_bias": ({},)}
 #: The same for chat completions: a completion's fields but `prompt`, plus the conversation and its template's
 #: options. Tools only where the server parses tool calls (--tool-call-parser): else a call would come back as text.
-CHAT_FIELDS = (FIELDS - {"prompt"}) | {"messages", "max_completion_tokens", "chat_template_kwargs",
-                                      "add_generation_prompt"}
-CHAT_UNSUPPORTED = {"logprobs": (False,), "top_logprobs": (0,), "presence_penalty": (0,), "frequency_penalty": (0,),
+CHAT_FIELDS = (FIELDS - {"prompt", "echo"}) | {"messages", "max_completion_tokens", "chat_template_kwargs",
+                                              "add_generation_prompt", "top_logprobs"}
+CHAT_UNSUPPORTED = {"presence_penalty": (0,), "frequency_penalty": (0,),
                     "logit_bias": ({},), "tools": ([],), "tool_choice": ("none",), "parallel_tool_calls": (True, False),
                     "response_format": ({"type": "text"},)}
 
@@ -89,7 +90,9 @@ class Completion:
     stream: bool
     include_usage: bool
     thinking_opened: bool = False  # a chat prompt that ends inside a <think> block its template opened
-    tools: bool = False  # a chat request that gave the model tools: its replies' tool calls are parsed out
+    tools: list | None = None  # a chat request's tools (OpenAI's function schemas): its replies' calls are parsed
+    logprobs: int | None = None  # score each made token, with this many of the most likely beside it
+    echo: bool = False  # a completion's text starts with its prompt (scored too, with logprobs); max_tokens may be 0
 
     def sampling(self, choice: int) -> Sampling:
         if self.temperature == 0:
@@ -187,7 +190,9 @@ def parse_completion(body, info: ModelInfo, tokenizer=None) -> Completion:
     prompts = _prompts(body, info, tokenizer)
     if len(prompts) * n > MAX_CHOICES:
         raise BadRequest("n", f"{len(prompts)} prompts × n {n} is more than {MAX_CHOICES} choices a request")
-    max_tokens = _integer(body, "max_tokens", 16, 1)
+    echo = _flag(body, "echo")
+    logprobs = _integer(body, "logprobs", None, 0, TOP_LOGPROBS)
+    max_tokens = _integer(body, "max_tokens", 16, 0 if echo else 1)  # 0: score the prompt (echo), make nothing
     longest = max(len(p) for p in prompts)
     if longest >= info.max_context:
         raise BadRequest("prompt", f"the prompt has {longest} tokens; this server's context is {info.max_context}")
@@ -208,11 +213,7 @@ def parse_completion(body, info: ModelInfo, tokenizer=None) -> Completion:
             and all(_is_int(t) and 0 <= t < info.vocab_size for t in stop_ids)):
         raise BadRequest("stop_token_ids", f"'stop_token_ids' must be a list of at most {MAX_STOP_IDS} token ids "
                                            "in the vocabulary")
-    flags = {}
-    for field in ("ignore_eos", "stream"):
-        flags[field] = False if body.get(field) is None else body[field]
-        if not isinstance(flags[field], bool):  # 0 or "" too: OpenAI refuses a non-boolean
-            raise BadRequest(field, f"'{field}' must be true or false, got {json.dumps(flags[field])}")
+    flags = {field: _flag(body, field) for field in ("ignore_eos", "stream")}
     options = {} if body.get("stream_options") is None else body["stream_options"]
     if not isinstance(options, dict) or set(options) - {"include_usage"} or \
             not isinstance(options.get("include_usage", False), bool):
@@ -230,7 +231,23 @@ def parse_completion(body, info: ModelInfo, tokenizer=None) -> Completion:
         top_k=min(max(0, _integer(body, "top_k", 0, -1)), info.vocab_size),  # -1 and 0: off; past V: all
         seed=None if seed is None else seed % 2**32, stop=tuple(stop or ()),
         stop_ids=tuple(dict.fromkeys([*eos, *stop_ids])), stream=flags["stream"],
-        include_usage=bool(options.get("include_usage")))
+        include_usage=bool(options.get("include_usage")), logprobs=logprobs, echo=echo)
+
+
+def _flag(body: dict, field: str) -> bool:
+    value = False if body.get(field) is None else body[field]
+    if not isinstance(value, bool):  # 0 or "" too: OpenAI refuses a non-boolean
+        raise BadRequest(field, f"'{field}' must be true or false, got {json.dumps(value)}")
+    return value
+
+
+def _chat_logprobs(body: dict) -> int | None:
+    """A chat request's `logprobs` (true: score each made token) and `top_logprobs` (how many of the most likely
+    beside it; needs logprobs) as a completion's logprobs count, or None."""
+    wanted, top = _flag(body, "logprobs"), _integer(body, "top_logprobs", None, 0, TOP_LOGPROBS)
+    if top and not wanted:  # 0 is the no-op some clients send beside logprobs false
+        raise BadRequest("top_logprobs", "'top_logprobs' needs 'logprobs': true")
+    return (top or 0) if wanted else None
 
 
 def _tools(body: dict) -> list | None:
@@ -285,7 +302,9 @@ def parse_chat(body, info: ModelInfo, tokenizer, template, tool_calls: bool = Fa
     if not ids:
         raise BadRequest("messages", "the conversation renders to no tokens")
     limit_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    request = {field: value for field, value in body.items() if field in FIELDS and field != "max_tokens"}
+    logprobs = _chat_logprobs(body)
+    request = {field: value for field, value in body.items()
+               if field in FIELDS and field not in ("max_tokens", "logprobs")}
     limit = body.get(limit_field)
     request.update(prompt=ids, max_tokens=max(1, info.max_context - len(ids)) if limit is None else limit)
     try:
@@ -295,4 +314,5 @@ def parse_chat(body, info: ModelInfo, tokenizer, template, tool_calls: bool = Fa
         message = re.sub(r"\bmax_tokens\b", limit_field, err.message)
         message = re.sub(r"\b(the )?prompt\b", lambda m: f"{m.group(1) or ''}conversation", message)
         raise BadRequest(param, message, err.status) from None
-    return attrs.evolve(completion, thinking_opened=text.rstrip().endswith(THINK_OPEN), tools=tools is not None)
+    return attrs.evolve(completion, thinking_opened=text.rstrip().endswith(THINK_OPEN), tools=tools,
+                        logprobs=logprobs)

@@ -59,6 +59,10 @@ class Request:
     prefilled: int = 0             # preemption); how much of it is
     preemptions: int = 0
     sampling: Sampling = GREEDY  # temperature / top-k / top-p / seed (runtime/sampling.py); greedy by default
+    logprobs: bool = False  # score each made token: `token_logprobs` (engine.TokenLogprob, with the top ids there)
+    prompt_logprobs: bool = False  # score each prompt token after the first: `prompt_scores`
+    token_logprobs: list = attrs.Factory(list)
+    prompt_scores: list = attrs.Factory(list)
 
 
 class Scheduler:
@@ -69,8 +73,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.steps = 0
         self.preemptions = 0  # requests preempted (and later recomputed) so far
-        # the step launched and not read yet, with its plan
-        self._in_flight: tuple[LaunchedStep, list[tuple[Request, list, bool]]] | None = None
+        # the step launched and not read yet, with its plan and each item's first fed position
+        self._in_flight: tuple[LaunchedStep, list[tuple[Request, list, bool]], list[int]] | None = None
 
     def _pages(self, request: Request) -> int:
         return math.ceil((len(request.prompt) + request.max_new_tokens) / self.engine.page_size)
@@ -204,7 +208,7 @@ class Scheduler:
     def _launch_ahead(self):
         """The next step planned on top of the one in flight and launched, or None: nothing to plan, or the plan
         would need a preemption (the step in flight is read first, and the next call plans without it)."""
-        step, plan = self._in_flight
+        step, plan, _ = self._in_flight
         pending = {request: step.token(index) for index, (request, _, emits) in enumerate(plan)
                    if emits and request.finish_reason is None}
         self._admit()
@@ -217,25 +221,55 @@ class Scheduler:
         """Launch `plan` (its prompt chunks marked fed); (the launched step, plan), or None for an empty plan."""
         if not plan:
             return None
-        counters = []
+        counters, targets, starts = [], [], []
         for request, tokens, _ in plan:
+            targets.append(self._prompt_targets(request, len(tokens)))
+            starts.append(request.prefilled)
             if request.prefilled < len(request.feed):
                 request.prefilled += len(tokens)
             counters.append(len(request.tokens) + isinstance(tokens[0], PendingToken))
         launched = self.engine.launch_tokens([(request.seq, tokens) for request, tokens, _ in plan],
-                                             [request.sampling for request, _, _ in plan], counters)
+                                             [request.sampling for request, _, _ in plan], counters,
+                                             [request.logprobs and emits for request, _, emits in plan],
+                                             targets if any(targets) else None)
         self.steps += 1
-        return launched, plan
+        return launched, plan, starts
 
-    def _read(self, step: LaunchedStep, plan) -> list[tuple[Request, int]]:
+    @staticmethod
+    def _prompt_targets(request: Request, fed: int) -> list[int]:
+        """For a request scoring its prompt: the prompt tokens that follow the `fed` tokens it feeds now (a prompt
+        chunk) and are not scored yet, one per fed token from the first; [] when none (a decode token, a chunk past
+        the prompt, a recompute after preemption of what was scored before it)."""
+        start, prompt = request.prefilled, request.prompt
+        if not request.prompt_logprobs or start >= len(request.feed):
+            return []
+        count = min(fed, len(prompt) - 1 - start)  # row j scores prompt[start + j + 1]
+        if count <= 0 or start + count <= len(request.prompt_scores):
+            return []
+        return list(prompt[start + 1:start + 1 + count])
+
+    @staticmethod
+    def _keep_prompt_scores(request: Request, start: int, scores) -> None:
+        """Record the prompt scores a step made for `request` feeding from position `start` (those a recompute after
+        preemption made again are already there)."""
+        if scores:
+            request.prompt_scores += scores[len(request.prompt_scores) - start:]
+
+    def _read(self, step: LaunchedStep, plan, starts: list[int]) -> list[tuple[Request, int]]:
         """The tokens of a launched step, given to the requests that were waiting for them (not to one that has
         finished since it was launched: a stop id in the step before, or cancelled)."""
         nexts = step.tokens()
+        scored = step.logprobs()
         now = time.perf_counter()
         made = []
-        for (request, _, emits), token in zip(plan, nexts):
-            if not emits or request.finish_reason is not None:
+        for (request, _, emits), token, scores, start in zip(plan, nexts, scored, starts):
+            if request.finish_reason is not None:
                 continue
+            self._keep_prompt_scores(request, start, scores.prompt)
+            if not emits:
+                continue
+            if scores.next is not None:
+                request.token_logprobs.append(scores.next)
             request.tokens.append(token)
             request.first_token_at = request.first_token_at or now
             made.append((request, token))

@@ -37,8 +37,9 @@ from collections.abc import Callable
 import attrs
 
 from qcompile.errors import UsageError
-from qcompile.frontend.replies import ReasoningSplit, ToolCallStream
-from qcompile.frontend.tokenizer import TextStream
+from qcompile.frontend.replies import TOOL_CALL_STREAMS, ReasoningSplit
+from qcompile.frontend.tokenizer import TextStream, TokenStrings, decode
+from qcompile.runtime.logprobs import chat_logprobs, completion_logprobs
 from qcompile.runtime.requests import (MAX_BODY_BYTES, BadRequest, Completion, ModelInfo, has_text_prompts, parse_chat,
                                        parse_completion)
 from qcompile.runtime.scheduler import Request
@@ -106,6 +107,8 @@ class _Choice:
     token_ids: list[int] = attrs.Factory(list)
     last_token_at: float | None = None
     finish_reason: str | None = None
+    started: bool = False  # its first piece went out (with echo, the prompt leads it)
+    text_offset: int = 0  # where its next token's text starts in its text (completions' logprobs.text_offset)
 
 
 class _Completions:
@@ -124,8 +127,10 @@ class _Completions:
         for prompt in completion.prompts:
             for _ in range(completion.n):
                 index = len(self.choices)
-                request = Request(list(prompt), completion.max_tokens, stop_ids=completion.stop_ids,
-                                  id=f"{self.id}-{index}", sampling=completion.sampling(index))
+                scored = completion.logprobs is not None
+                request = Request(list(prompt), max(1, completion.max_tokens), stop_ids=completion.stop_ids,
+                                  id=f"{self.id}-{index}", sampling=completion.sampling(index), logprobs=scored,
+                                  prompt_logprobs=scored and completion.echo)
                 stream = TextStream(tokenizer, completion.stop) if tokenizer is not None else None
                 self.choices.append(_Choice(index, request, stream, now))
 
@@ -144,9 +149,10 @@ class _Completions:
         metrics.prompt_tokens.inc(sum(map(len, self.completion.prompts)))  # each prompt once, as usage counts
         for choice in self.choices:
             self.state.loop.submit(choice.request,
-                                   lambda r, t, i=choice.index: self._post("token", i, t, time.perf_counter()),
+                                   lambda r, t, i=choice.index: self._post("token", i, t, time.perf_counter(),
+                                                                           _scores(r)),
                                    lambda r, i=choice.index: self._post("finish", i, r.finish_reason,
-                                                                        time.perf_counter()))
+                                                                        time.perf_counter(), None))
 
     def cancel_unfinished(self) -> None:
         """Cancel the choices still running (the client went away, or the stream ended on an error): they finish
@@ -160,39 +166,65 @@ class _Completions:
                 metrics.e2e.observe(now - choice.arrived)
 
     async def pieces(self):
-        """(choice, text, new ids, finish_reason or None) as the engine makes tokens, until every choice ended."""
+        """(choice, text, new ids, finish_reason or None, scored) as the engine makes tokens, until every choice
+        ended. `scored` (None without logprobs): the (token id, TokenLogprob or None) the piece reports — with echo,
+        the first piece's prompt tokens lead (the first unscored), then the piece's new ids."""
         metrics, open_ = self.state.metrics, len(self.choices)
+        making = self.completion.max_tokens > 0  # max_tokens 0 (echo): the one token the engine makes is dropped
         while open_:
-            kind, index, value, at = await self.events.get()
+            kind, index, value, at, scores = await self.events.get()
             choice = self.choices[index]
             if choice.finish_reason is not None:
                 continue  # ended by a stop string; the engine's own finish comes after
-            if kind == "token":
+            lead, scored = self._lead(choice, scores)
+            if kind == "token" and making:
                 if choice.last_token_at is None:
                     metrics.ttft.observe(at - choice.arrived)
                 else:
                     metrics.itl.observe(at - choice.last_token_at)
                 choice.last_token_at = at
                 choice.token_ids.append(value)
-                piece = choice.text.push(value) if choice.text is not None else ""
+                if scored is not None:
+                    scored.append((value, scores[1]))
+                piece = lead + (choice.text.push(value) if choice.text is not None else "")
                 if choice.text is not None and choice.text.stopped:
                     self.state.loop.cancel(choice.request)
                     reason = "stop"
                 else:
-                    yield choice, piece, [value], None
+                    yield choice, piece, [value], None, scored
                     continue
+            elif kind == "token":
+                if lead or scored:
+                    yield choice, lead, [], None, scored
+                continue
             else:
                 if value == "error":
                     error = self.state.loop.error
                     raise BadRequest(None, f"the engine failed: {type(error).__name__}: {error}", 500)
-                piece = choice.text.finish() if choice.text is not None else ""
+                piece = lead + (choice.text.finish() if choice.text is not None else "")
                 reason = "stop" if choice.text is not None and choice.text.stopped else FINISH.get(value, value)
                 value = None
             choice.finish_reason = reason
             metrics.requests.labels(reason).inc()
             metrics.e2e.observe(at - choice.arrived)
             open_ -= 1
-            yield choice, piece, [value] if value is not None else [], reason
+            yield choice, piece, [value] if value is not None else [], reason, scored
+
+    def _lead(self, choice: _Choice, scores) -> tuple[str, list | None]:
+        """What leads a choice's piece: with echo, its first piece starts with the prompt's text (and, with
+        logprobs, its tokens scored from the second on); then the list the piece's own scores join."""
+        scored = [] if self.completion.logprobs is not None else None
+        if choice.started or not self.completion.echo:
+            choice.started = True
+            return "", scored
+        choice.started = True
+        prompt = choice.request.prompt
+        tokenizer = self.state.tokenizer
+        lead = decode(tokenizer, prompt) if tokenizer is not None else ""
+        if scored is not None:
+            prompt_scores = scores[0] if scores is not None else ()
+            scored += [(prompt[0], None)] + [(t, s) for t, s in zip(prompt[1:], prompt_scores)]
+        return lead, scored
 
     def usage(self) -> dict:
         prompt = sum(map(len, self.completion.prompts))  # each prompt once, whatever n (as OpenAI counts)
@@ -205,24 +237,47 @@ class _Completions:
                 "choices": choices}
 
     def _reply(self) -> ChatReply:
-        return ChatReply(self.completion.thinking_opened, self.reasoning, self.completion.tools)
+        return ChatReply(self.completion.thinking_opened, self.reasoning, self.completion.tools,
+                         self.state.tool_call_parser or "hermes")
 
-    def choice_json(self, index: int, text: str, token_ids: list[int], finish_reason: str | None) -> dict:
-        """A whole choice: its text (a chat choice: the assistant's message, ChatReply) and ids."""
+    def choice_json(self, index: int, text: str, token_ids: list[int], finish_reason: str | None,
+                    scored: list | None = None) -> dict:
+        """A whole choice: its text (a chat choice: the assistant's message, ChatReply), ids and logprobs."""
         if not self.chat:
-            return {"index": index, "text": text, "token_ids": token_ids, "logprobs": None,
+            return {"index": index, "text": text, "token_ids": token_ids, "logprobs": self._logprobs(index, scored),
                     "finish_reason": finish_reason}
         message, finish_reason = self._reply().message(text, finish_reason)
-        return {"index": index, "message": message, "token_ids": token_ids, "logprobs": None,
+        return {"index": index, "message": message, "token_ids": token_ids, "logprobs": self._logprobs(index, scored),
                 "finish_reason": finish_reason}
 
-    def chunk_json(self, index: int, text: str, token_ids: list[int], finish_reason: str | None) -> dict:
+    def chunk_json(self, index: int, text: str, token_ids: list[int], finish_reason: str | None,
+                   scored: list | None = None) -> dict:
         """A streamed piece of a choice (a chat choice's: its delta, ChatReply)."""
         if not self.chat:
-            return self.choice_json(index, text, token_ids, finish_reason)
+            return self.choice_json(index, text, token_ids, finish_reason, scored)
         delta, finish_reason = self._replies.setdefault(index, self._reply()).delta(text, finish_reason)
-        return {"index": index, "delta": delta, "token_ids": token_ids, "logprobs": None,
+        return {"index": index, "delta": delta, "token_ids": token_ids, "logprobs": self._logprobs(index, scored),
                 "finish_reason": finish_reason}
+
+    def _logprobs(self, index: int, scored: list | None) -> dict | None:
+        """The `logprobs` of a choice or chunk reporting `scored`, in OpenAI's shape for completions or chat."""
+        if scored is None:
+            return None
+        top, strings = self.completion.logprobs, self.state.token_strings
+        if self.chat:
+            return {"content": chat_logprobs(scored, top, strings), "refusal": None}
+        choice = self.choices[index]
+        body = completion_logprobs(scored, top, strings, choice.text_offset)
+        choice.text_offset += sum(len(strings(t)[0]) for t, _ in scored)
+        return body
+
+
+def _scores(request: Request) -> tuple | None:
+    """What a token event carries for logprobs (read on the engine thread, when the token is made): the prompt's
+    scores (complete once the first token is made) and the token's own, or None."""
+    if not request.logprobs:
+        return None
+    return tuple(request.prompt_scores), request.token_logprobs[-1]
 
 
 @attrs.define
@@ -233,6 +288,11 @@ class _AppState:
     metrics: Metrics
     reasoning_parser: str | None = None
     tool_call_parser: str | None = None
+    token_strings: Callable = attrs.field(init=False)
+
+    def __attrs_post_init__(self):
+        self.token_strings = TokenStrings(self.tokenizer) if self.tokenizer is not None else \
+            lambda token: (f"token_id:{token}", None)
 
 
 def _tool_call_json(call: dict) -> dict:
@@ -244,9 +304,10 @@ class ChatReply:
     reply per instance). With a reasoning parser its <think> block is `reasoning_content`; with tools the calls in it
     are `tool_calls` (finish_reason `tool_calls` where it would be `stop`). The deltas add up to the whole message."""
 
-    def __init__(self, thinking_opened: bool = False, reasoning: bool = False, tools: bool = False):
+    def __init__(self, thinking_opened: bool = False, reasoning: bool = False, tools: list | None = None,
+                 parser: str = "hermes"):
         self.split = ReasoningSplit(thinking_opened) if reasoning else None
-        self.tool_calls = ToolCallStream() if tools else None
+        self.tool_calls = TOOL_CALL_STREAMS[parser](tools) if tools is not None else None
         self.opened = False  # the first delta, which names the role, was made
         self.calls = 0  # calls streamed so far
 
@@ -291,7 +352,9 @@ async def _disconnected(receive) -> None:
 
 
 REASONING_PARSERS = ("think",)  # <think> ... </think> (frontend/replies.py ReasoningSplit)
-TOOL_CALL_PARSERS = ("hermes",)  # <tool_call>{"name", "arguments"}</tool_call> (frontend/replies.py ToolCallStream)
+#: hermes: <tool_call>{"name", "arguments"}</tool_call> (Qwen3, Qwen3-Next); qwen3_coder: <tool_call><function=NAME>
+#: <parameter=K>value</parameter>... (Qwen3.5, Qwen3-Coder), values typed by the request's tools (frontend/replies.py)
+TOOL_CALL_PARSERS = tuple(TOOL_CALL_STREAMS)
 
 
 def create_app(loop: EngineLoop, info: ModelInfo, tokenizer=None, metrics: Metrics | None = None,
@@ -387,15 +450,18 @@ def create_app(loop: EngineLoop, info: ModelInfo, tokenizer=None, metrics: Metri
 
     async def _collect(job: _Completions) -> dict:
         texts = {c.index: [] for c in job.choices}
-        async for choice, piece, _, _ in job.pieces():
+        scored = {c.index: [] if job.completion.logprobs is not None else None for c in job.choices}
+        async for choice, piece, _, _, scores in job.pieces():
             texts[choice.index].append(piece)
-        return {**job.envelope([job.choice_json(c.index, "".join(texts[c.index]), c.token_ids, c.finish_reason)
-                                for c in job.choices]), "usage": job.usage()}
+            if scores:
+                scored[choice.index] += scores
+        return {**job.envelope([job.choice_json(c.index, "".join(texts[c.index]), c.token_ids, c.finish_reason,
+                                                scored[c.index]) for c in job.choices]), "usage": job.usage()}
 
     async def _stream(job: _Completions):
         try:
-            async for choice, piece, ids, reason in job.pieces():
-                chunk = job.envelope([job.chunk_json(choice.index, piece, ids, reason)], chunk=True)
+            async for choice, piece, ids, reason, scored in job.pieces():
+                chunk = job.envelope([job.chunk_json(choice.index, piece, ids, reason, scored)], chunk=True)
                 if job.completion.include_usage:
                     chunk["usage"] = None
                 yield f"data: {json.dumps(chunk)}\n\n"
