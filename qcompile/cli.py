@@ -606,6 +606,9 @@ def init_tiny_cmd(directory, family, preset, seed, dtype, sparse, force):
 @click.option("--request-rate", type=float, metavar="R",
               help="Requests arrive R per second (Poisson, seeded; inf: all at once) and are served by continuous "
                    "batching, at most C at a time, instead of in lock-step waves.")
+@click.option("--n", "choices", default=1, show_default=True, metavar="N",
+              help="With --request-rate: each prompt asks for N choices (sample them: --temperature), measured sharing "
+                   "the prompt's prefill (as serve does for a request's n) and each fed on its own.")
 @click.option("--passes", "passes_spec", default=None, metavar="SPEC", help="Passes of the build (default all).")
 @click.option("--compare", multiple=True, type=click.Choice(["transformers"]),
               help="Also run Hugging Face transformers eager on the same checkpoint, prompts and threads.")
@@ -629,7 +632,7 @@ def init_tiny_cmd(directory, family, preset, seed, dtype, sparse, force):
               help="Lay the model out on a device mesh (8, 4x2, 2x4) with gqa-sharding; this host gets that many "
                    "CPU devices (simulated: they share its cores).")
 @_cluster_options
-def bench_cmd(source, url, workload, scale, input_len, output_len, concurrency, num_prompts, request_rate,
+def bench_cmd(source, url, workload, scale, input_len, output_len, concurrency, num_prompts, request_rate, choices,
               passes_spec, compare, ablate, dtype, max_step_tokens, verify, seed, temperature, top_k, top_p,
               memory_budget, json_path, plot_path, mesh_spec, coordinator, num_processes, process_id, join_timeout):
     """Measure prefill/decode throughput, latency and % of roofline of CHECKPOINT (or an artifact), or of a running
@@ -670,7 +673,7 @@ def bench_cmd(source, url, workload, scale, input_len, output_len, concurrency, 
                         concurrency=levels, num_prompts=num_prompts, passes=passes_spec, compare=tuple(compare),
                         ablate=ablate, json_path=json_path, plot_path=plot_path, seed=seed, dtype=dtype,
                         max_step_tokens=max_step_tokens, verify=verify, memory_budget=memory_budget,
-                        request_rate=request_rate, mesh=mesh, url=url, sampling=sampling)
+                        request_rate=request_rate, mesh=mesh, url=url, sampling=sampling, n=choices)
     run_bench(opts, emit=click.echo if leader else lambda *args, **kwargs: None)
 
 
@@ -703,24 +706,29 @@ def bench_cmd(source, url, workload, scale, input_len, output_len, concurrency, 
 @click.option("--chat-template", "chat_template_path", type=click.Path(path_type=Path), metavar="FILE",
               help="A Jinja chat template for /v1/chat/completions [default: the tokenizer's chat_template.jinja, "
                    "else tokenizer_config.json's chat_template].")
-@click.option("--reasoning-parser", type=click.Choice(["think"]),
+@click.option("--reasoning-parser", type=click.Choice(["think", "qwen3", "deepseek_r1"]),
               help="Return a chat reply's <think> ... </think> block as message.reasoning_content (delta."
-                   "reasoning_content when streamed), apart from its content (thinking models: Qwen3, Qwen3.5).")
+                   "reasoning_content when streamed), apart from its content (thinking models: Qwen3, Qwen3.5, "
+                   "Qwen3-Next-Thinking; qwen3 and deepseek_r1, the names vLLM's commands use, are the same parser).")
+@click.option("--enable-auto-tool-choice", is_flag=True,
+              help="Accepted for vLLM's command line: tool_choice \"auto\" is on whenever --tool-call-parser is given.")
 @click.option("--tool-call-parser", type=click.Choice(["hermes", "qwen3_coder"]),
               help="Accept chat requests' tools (rendered by the chat template) and return the reply's calls as "
                    "message.tool_calls: hermes reads <tool_call>{JSON}</tool_call> (Qwen3, Qwen3-Next), qwen3_coder "
                    "<tool_call><function=NAME><parameter=K>...</tool_call> (Qwen3.5, Qwen3-Coder).")
 def serve_cmd(source, host, port, served_model_name, passes_spec, dtype, max_seqs, max_context, num_pages,
               max_step_tokens, memory_budget, verify, no_warmup, mesh_spec, chat_template_path, reasoning_parser,
-              tool_call_parser):
+              enable_auto_tool_choice, tool_call_parser):
     """Serve CHECKPOINT (or an artifact) over HTTP with OpenAI's completions and chat APIs (docs/serving.md).
 
     \b
     POST /v1/completions   prompt as text or token ids; max_tokens, temperature, top_p, top_k, seed, n, stop,
-                           stop_token_ids, ignore_eos, stream (server-sent events); choices carry token_ids
+                           stop_token_ids, ignore_eos, stream (server-sent events), logprobs, echo; choices carry
+                           token_ids
     POST /v1/chat/completions
                            messages rendered with the model's chat template; the same options, and
-                           max_completion_tokens, chat_template_kwargs (e.g. {"enable_thinking": false})
+                           max_completion_tokens, chat_template_kwargs (e.g. {"enable_thinking": false}),
+                           logprobs and top_logprobs, tools (with --tool-call-parser)
     GET  /v1/models        the served model, its max_model_len and vocab_size
     GET  /health           200 while the engine runs, 503 when it has stopped
     GET  /metrics          Prometheus: running/waiting requests, KV pages, tokens/s, TTFT and ITL histograms

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 
+import attrs
 import numpy as np
 import pytest
 
@@ -44,9 +45,9 @@ def _recording_steps(patch, seen: list) -> None:
     """Record (seeds, counters) of every engine step launched (seeds None when greedy; `step_tokens` launches too)."""
     real = Engine.launch_tokens
 
-    def recording(self, work, sampling=None, counters=None):
+    def recording(self, work, sampling=None, counters=None, *rest):
         seen.append((tuple(p.seed for p in sampling) if sampling else None, tuple(counters or ())))
-        return real(self, work, sampling, counters)
+        return real(self, work, sampling, counters, *rest)
 
     patch.setattr(Engine, "launch_tokens", recording)
 
@@ -206,6 +207,23 @@ def test_requests_arriving_at_a_rate_are_served_by_continuous_batching(tiny):
     assert run["prefill_tok_s"] is None and run["decode_tok_s"] is None
     assert run["ttft_ms"]["mean"] > 0 and run["tpot_ms"]["mean"] > 0
     assert run["measured_seconds"]["warmup"] > 0  # every bucket compiled before the first arrival
+
+
+def test_choices_per_prompt_are_measured_sharing_the_prefill_and_without(tiny):
+    """--n 3: two prompts, each asking for three sampled choices, through the scheduler: one run whose choices share
+    their prompt's prefill (as serve's n does) and one feeding each choice on its own; both make every token (the
+    same ones: tested in test_scheduler.py). Without --request-rate it is refused."""
+    opts = BenchOptions(source=tiny, input_len=12, output_len=3, concurrency=(6,), num_prompts=2, request_rate=math.inf,
+                        verify="none", max_step_tokens=16, n=3, sampling=SAMPLING)
+    result = run_bench(opts, emit=lambda line: None)
+    shared, separate = result["runs"]
+    assert (shared["engine"], separate["engine"]) == ("qcompile", "qcompile-unshared")
+    for run in (shared, separate):
+        assert run["n"] == 3 and run["requests"] == 6 and run["complete"]
+        assert run["output_tok_s"] * run["measured_seconds"]["duration"] == pytest.approx(6 * 3)
+    for changes in ({"request_rate": None}, {"n": 65}):
+        with pytest.raises(UsageError, match="--n"):
+            run_bench(BenchOptions(**{**attrs.asdict(opts, recurse=False), **changes}), emit=lambda line: None)
 
 
 def test_arrivals_are_a_seeded_poisson_process():

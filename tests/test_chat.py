@@ -182,6 +182,11 @@ REPLIES = [  # (reply, the prompt opened the block, reasoning, content)
     ("\n\n", True, "", ""),
     ("<think></think>", False, "", ""),
     ("", False, "", ""),
+    # Qwen3.5 may start an XML call inside its thinking: the reasoning ends there and the call is content
+    ("plan\n\n<tool_call>\n<function=f>\n</function>\n</tool_call>", True, "plan",
+     "<tool_call>\n<function=f>\n</function>\n</tool_call>"),
+    ('plan <tool_call>{"name": "f"}</tool_call></think>x', True, 'plan <tool_call>{"name": "f"}</tool_call>', "x"),
+    ("a<tool_call> <functio", True, "a<tool_call> <functio", ""),
 ]
 
 
@@ -274,3 +279,23 @@ def test_content_parts_reach_a_template_that_reads_them_and_are_joined_for_one_t
                              True),
                             ("{% for m in messages %}{{ m.content }}{% endfor %}", False)):
         assert ChatTemplate.compile(template, "t").reads_parts is reads, template
+
+
+def test_past_tool_calls_reach_the_template_with_their_arguments_as_objects():
+    """OpenAI clients send an assistant turn's tool calls back with the arguments as JSON text; a template that walks
+    them (Qwen3.5's `arguments|items`) needs the object, as vLLM hands it over. Text that is not a JSON object stays
+    text; null or empty arguments are {}."""
+    from qcompile.frontend.chat import text_messages
+
+    template = ChatTemplate.compile(
+        "{% for m in messages %}{% for c in m.tool_calls or [] %}<{{ c.function.name }}>"
+        "{% if c.function.arguments is mapping %}{% for k, v in c.function.arguments | items %}{{ k }}={{ v }};"
+        "{% endfor %}{% else %}raw {{ c.function.arguments }}{% endif %}{% endfor %}{% endfor %}", "calls")
+    calls = [{"id": "a", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Bern", "days": 2}'}},
+             {"id": "b", "type": "function", "function": {"name": "now", "arguments": ""}},
+             {"id": "c", "type": "function", "function": {"name": "odd", "arguments": "not json"}},
+             {"id": "d", "type": "function", "function": {"name": "list", "arguments": "[1, 2]"}}]
+    messages = text_messages([{"role": "user", "content": "?"}, {"role": "assistant", "content": None,
+                                                                  "tool_calls": calls}])
+    assert template.render(messages, False) == "<weather>city=Bern;days=2;<now><odd>raw not json<list>raw [1, 2]"
+    assert calls[0]["function"]["arguments"] == '{"city": "Bern", "days": 2}'  # the request is not modified

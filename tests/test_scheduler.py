@@ -119,3 +119,77 @@ def test_a_soak_with_cancellations_loses_nothing_and_leaks_nothing(model, alone,
     assert sum(r.preemptions for r in requests) > 0 and not scheduler.cancel(requests[0])
     assert len(engine.free_slots) == 4 and len(engine.free_pages) == 5
     assert not scheduler.running and not scheduler.waiting
+
+
+def _fed_tokens(engine) -> list[int]:
+    """Record how many tokens each step of `engine` feeds."""
+    fed, real = [], engine.launch_tokens
+
+    def counting(work, *args):
+        fed.append(sum(len(tokens) for _, tokens in work))
+        return real(work, *args)
+
+    engine.launch_tokens = counting
+    return fed
+
+
+@pytest.mark.parametrize("dtype", [None, "bf16"])
+def test_a_forked_sequence_continues_as_its_source_would(tmp_path_factory, qc_model, model, dtype):
+    """Engine.fork copies a sequence's state slot and KV pages: the source and two forks, fed the same last prompt
+    token, give the logits of the whole prompt fed at once; fed different tokens, they part (the copy is not shared
+    memory). bf16 caches go through the native row gather and scatter."""
+    import numpy as np
+
+    if dtype is not None:
+        model = qc_model(model.checkpoint.path, dtype)
+    engine = model.engine(CacheConfig(max_seqs=4, max_context=64, max_step_tokens=64))
+    prompt = PROMPTS[1] + PROMPTS[0] * 2  # 33 tokens: three 16-token pages, the last one partly filled
+    whole = engine.add_sequence()
+    want = engine.step([(whole, prompt)])[0]
+    engine.release(whole)
+    source = engine.add_sequence()
+    engine.step([(source, prompt[:-1])])
+    forks = [engine.fork(source), engine.fork(source)]
+    assert all(f.length == 32 and len(f.pages) == 2 and not set(f.pages) & set(source.pages) for f in forks)
+    outs = engine.step([(source, prompt[-1:]), *((f, prompt[-1:]) for f in forks)])
+    for out in outs:
+        np.testing.assert_allclose(out, want, atol=1e-5 if dtype is None else 0.02)
+    parted = engine.step([(forks[0], [5]), (forks[1], [9]), (source, [5])])
+    assert np.array_equal(parted[0], parted[2]) and not np.allclose(parted[0], parted[1])
+    assert engine.fork(source) is not None and engine.fork(source) is None  # the fourth slot, then none left
+
+
+def test_choices_of_one_prompt_share_its_prefill(model):
+    """Four sampled choices of a 37-token prompt, the later ones linked to the first (as `serve` does for n): the
+    same tokens as four independent requests, with the prompt fed once plus each choice's last token (the others
+    fork the first's cache); slots and pages all free at the end. With one slot, or the first cancelled before its
+    prefill ends, the choices are fed on their own and still get their tokens."""
+    from qcompile.runtime.sampling import Sampling
+
+    prompt = [(7 * i + 5) % 500 + 3 for i in range(37)]
+
+    def run(link: bool, max_seqs: int = 4, cancel_first: bool = False):
+        engine = model.engine(CacheConfig(max_seqs=max_seqs, max_context=64, max_step_tokens=16))
+        fed = _fed_tokens(engine)
+        requests = [Request(prompt, 6, id=i, sampling=Sampling(0.9, seed=100 + i)) for i in range(4)]
+        for request in requests[1:]:
+            request.parent = requests[0] if link else None
+        scheduler = Scheduler(engine)
+        for request in requests:
+            scheduler.submit(request)
+        if cancel_first:
+            scheduler.step()
+            scheduler.cancel(requests[0])
+        while scheduler.waiting or scheduler.running:
+            scheduler.step()
+        assert sorted(engine.free_slots) == list(range(max_seqs)) and len(engine.free_pages) == engine.sizes["P"]
+        return [r.tokens for r in requests], sum(fed)
+
+    alone, fed_alone = run(False)
+    shared, fed_shared = run(True)
+    assert shared == alone and len({tuple(t) for t in alone}) == 4
+    assert fed_alone >= 4 * 37 and fed_shared <= 37 + 3 + 4 * 6  # the prompt once, 3 more last tokens, decodes
+    one_slot, fed_one_slot = run(True, max_seqs=1)
+    assert one_slot == alone and fed_one_slot >= 4 * 37
+    cancelled, _ = run(True, cancel_first=True)
+    assert cancelled[1:] == alone[1:]

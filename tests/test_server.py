@@ -186,6 +186,10 @@ def test_n_choices_and_seeded_sampling_are_reproducible(server):
     assert [c["token_ids"] for c in first["choices"]] == [c["token_ids"] for c in again["choices"]]
     # choice i draws with seed + i: two samples of one prompt differ (5 tokens from a flat random model)
     assert first["choices"][0]["token_ids"] != first["choices"][1]["token_ids"]
+    # a prompt's second choice forks the first's prefill: the tokens it gets as a request of its own, seeded 11 + 1
+    alone = httpx.post(server.url + "/v1/completions", json={**body, "prompt": PROMPTS[0], "n": 1, "seed": 12},
+                       timeout=60).json()
+    assert alone["choices"][0]["token_ids"] == first["choices"][1]["token_ids"]
 
 
 def _generated(server) -> float:
@@ -727,7 +731,8 @@ def test_a_signal_ends_requests_in_flight_with_abort(model):
 
 
 def test_the_serve_command_starts_answers_and_stops_on_ctrl_c(model, tmp_path):
-    """The real command: port 0, the address printed on stderr; SIGINT stops it with exit 0. A taken port, a
+    """The real command (with the reasoning and tool-call parsers as vLLM's commands for Qwen3.5 name them): port
+    0, the address printed on stderr; SIGINT stops it with exit 0. A taken port, a
     missing checkpoint and an unreadable --chat-template are one-line errors (exit 2, 65 and 2)."""
     from qcompile.frontend.chat import TINY_CHAT_TEMPLATE
 
@@ -736,6 +741,7 @@ def test_the_serve_command_starts_answers_and_stops_on_ctrl_c(model, tmp_path):
     (tmp_path / "chat.jinja").write_text('{%- set bos_token, eos_token = "<s>", "</s>" %}\n' + TINY_CHAT_TEMPLATE)
     command = [sys.executable, "-m", "qcompile.cli", "serve", str(model.checkpoint.path), "--port", "0",
                "--passes", "none", "--verify", "none", "--no-warmup", "--max-seqs", "2", "--max-context", "32",
+               "--reasoning-parser", "qwen3", "--tool-call-parser", "qwen3_coder", "--enable-auto-tool-choice",
                "--chat-template", str(tmp_path / "chat.jinja")]
     proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env)
     try:
@@ -751,8 +757,9 @@ def test_the_serve_command_starts_answers_and_stops_on_ctrl_c(model, tmp_path):
                          timeout=120).json()
         assert len(got["choices"][0]["token_ids"]) == 3
         chat = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
-                                                              "max_tokens": 2}, timeout=120).json()
+                                                              "max_tokens": 2, "logprobs": True}, timeout=120).json()
         assert chat["choices"][0]["message"]["role"] == "assistant" and len(chat["choices"][0]["token_ids"]) == 2
+        assert len(chat["choices"][0]["logprobs"]["content"]) == 2
         port = int(url.rsplit(":", 1)[1])
         taken = subprocess.run([*command[:5], "--port", str(port)], capture_output=True, text=True, env=env,
                                timeout=120)

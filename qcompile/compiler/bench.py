@@ -57,6 +57,7 @@ class BenchOptions:
     mesh: object = None  # ir.mesh.Mesh: lay the builds out on it (gqa-sharding); None: one device
     url: str | None = None  # measure the server there (compiler/bench_http.py) instead of a build in this process
     sampling: Sampling = GREEDY  # temperature / top-k / top-p of every request; request i draws with seed + i
+    n: int = 1  # choices per prompt (scheduler only): measured sharing the prompt's prefill and without
 
 
 def sampling_note(sampling: Sampling) -> str:
@@ -102,6 +103,11 @@ def _check_outputs(opts: BenchOptions) -> None:
         raise UsageError(f"--compare {unknown[0]!r} is not supported; choose {', '.join(COMPARE_CHOICES)}")
     if "transformers" in opts.compare and (reason := transformers_available()):
         raise UsageError(reason)
+    if not 1 <= opts.n <= 64:
+        raise UsageError(f"--n must be in 1..64, got {opts.n}")
+    if opts.n > 1 and (opts.request_rate is None or opts.url is not None):
+        raise UsageError("--n serves each prompt's choices through this process's scheduler: give --request-rate "
+                         "(inf: all at once), without --url")
     if opts.request_rate is not None:
         if not opts.request_rate > 0:
             raise UsageError(f"--request-rate must be positive (or inf), got {opts.request_rate}")
@@ -201,14 +207,23 @@ def run_bench(opts: BenchOptions, emit=print) -> dict:
                 reset_peak()
                 engine = _engine(art if artifact else None, build, params, cache, target, opts.memory_budget)
                 roofline = Roofline(build.graph, engine.sizes, ceilings, dtype)
-                if opts.request_rate is not None:
+                if opts.n > 1:  # the choices sharing each prompt's prefill, then fed on their own
+                    for share in (True, False):
+                        m = bench_engine_rate(engine, "qcompile" if share else "qcompile-unshared", build.label,
+                                              prompts, output_len, concurrency, opts.request_rate, opts.seed,
+                                              lambda: None, opts.sampling, opts.n, share)
+                        if share:
+                            runs.append({**m.to_json(), "n": opts.n, "memory": engine.memory(build.graph)})
+                            measured.append(m)
+                            _progress(runs[-1])
+                elif opts.request_rate is not None:
                     m = bench_engine_rate(engine, "qcompile", build.label, prompts, output_len, concurrency,
                                           opts.request_rate, opts.seed, lambda: None, opts.sampling)
                 else:
                     m = bench_engine(engine, "qcompile", build.label, prompts, output_len, concurrency, roofline,
                                      build.graph, target, lambda: None, opts.sampling)
                 experts = experts or m.experts_touched
-                runs.append({**m.to_json(), "memory": engine.memory(build.graph)})
+                runs.append({**m.to_json(), **({"n": opts.n} if opts.n > 1 else {}), "memory": engine.memory(build.graph)})
                 measured.append(m)
                 _progress(runs[-1])
                 del engine

@@ -317,20 +317,26 @@ def arrival_times(num: int, rate: float, seed: int) -> list[float]:
 
 
 def bench_engine_rate(engine, label: str, passes: str, prompts: list[list[int]], output_len: int, concurrency: int,
-                      rate: float, seed: int, stop, sampling: Sampling = GREEDY) -> Measurement:
+                      rate: float, seed: int, stop, sampling: Sampling = GREEDY, n: int = 1,
+                      share: bool = True) -> Measurement:
     """Serve `prompts` as requests arriving at `rate` per second (Poisson, seeded) through the continuous-batching
     scheduler (runtime/scheduler.py): at most `concurrency` run at once, the others wait; each request's TTFT runs
     from its arrival. Every token bucket is compiled first (untimed), so no compile lands inside the run. Steps mix
-    prefill chunks and decode tokens, so prefill and decode tok/s are not separable here (reported as null)."""
+    prefill chunks and decode tokens, so prefill and decode tok/s are not separable here (reported as null).
+    `n`: each prompt arrives as n requests (choice j of prompt i draws with seed + n·i + j), the later ones sharing
+    the first's prefill (`share`, as `serve` does for a request's n) or fed on their own."""
     from qcompile.runtime.scheduler import Request, Scheduler
 
     m = Measurement(label, passes, concurrency, len(prompts[0]), output_len)
     warm_started = time.perf_counter()
     engine.compile_all_buckets(sampling=not sampling.greedy)
     m.warmup_seconds = time.perf_counter() - warm_started
-    arrivals = arrival_times(len(prompts), rate, seed)
-    requests = [Request(list(p), output_len, id=i, sampling=request_sampling(sampling, i))
-                for i, p in enumerate(prompts)]
+    arrivals = [at for at in arrival_times(len(prompts), rate, seed) for _ in range(n)]
+    requests = [Request(list(p), output_len, id=n * i + j, sampling=request_sampling(sampling, n * i + j))
+                for i, p in enumerate(prompts) for j in range(n)]
+    if share:
+        for index, request in enumerate(requests):
+            request.parent = requests[index - index % n] if index % n else None
     token_times: dict[int, list[float]] = {i: [] for i in range(len(requests))}
     scheduler = Scheduler(engine)
     start = time.perf_counter()

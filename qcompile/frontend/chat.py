@@ -239,7 +239,8 @@ def _joined(content):
 def text_messages(messages) -> list[dict]:
     """A conversation as a text model's template reads it: each message an object with a string role, its content
     text, null, or OpenAI's text parts (kept as a list: ChatTemplate.render joins them for a template that reads
-    text only); other fields as given. ChatError says what is wrong."""
+    text only); past tool calls' arguments decoded from JSON text; other fields as given. ChatError says what is
+    wrong."""
     if not isinstance(messages, list) or not messages:
         raise ChatError("'messages' must be a non-empty list of {\"role\": ..., \"content\": ...}")
     plain = []
@@ -256,7 +257,24 @@ def text_messages(messages) -> list[dict]:
         elif content is not None and not isinstance(content, str):
             raise ChatError(f"messages[{i}].content must be text, a list of text parts, or null")
         plain.append({**message, "content": content})
+        if isinstance(message.get("tool_calls"), list):
+            plain[-1]["tool_calls"] = [_decoded_arguments(call) for call in message["tool_calls"]]
     return plain
+
+
+def _decoded_arguments(call):
+    """A past tool call with its arguments as an object: OpenAI's API returns (and clients send back) them as JSON
+    text, and templates that walk them (Qwen3.5's `arguments|items`) need the object — vLLM decodes them the same
+    way before rendering. Empty or null arguments are {}; text that is not a JSON object stays as given."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not (function.get("arguments") is None or
+                                                isinstance(function["arguments"], str)):
+        return call
+    try:
+        arguments = json.loads(function.get("arguments") or "{}")
+    except ValueError:
+        return call
+    return {**call, "function": {**function, "arguments": arguments}} if isinstance(arguments, dict) else call
 
 
 def chat_prompt(tokenizer, template: ChatTemplate, messages: list[dict], add_generation_prompt: bool = True,

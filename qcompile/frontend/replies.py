@@ -12,6 +12,9 @@ import json
 import re
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
+FUNCTION_OPEN, FUNCTION_CLOSE = "<function=", "</function>"
+_XML_CALL = re.compile(r"<tool_call>\s*<function=")  # where an XML tool call starts (ends a thinking block)
 
 
 class ReasoningSplit:
@@ -21,9 +24,12 @@ class ReasoningSplit:
     Where the reasoning starts is read from the prompt, not guessed: a template that opened the thinking block
     (the prompt ends with <think>, as Qwen3's thinking templates do) makes the reply reasoning from its first token;
     otherwise the reply is reasoning only if it opens a <think> block itself (leading whitespace allowed). Either
-    way the reasoning ends at the first </think>. The newlines just inside the block and just after it are dropped
-    (the templates write them as layout). A reply that never closes its block is all reasoning. Text that could
-    still turn out to be a tag, or layout, is held back until it cannot."""
+    way the reasoning ends at the first </think> — or where an XML tool call starts (`<tool_call>`, whitespace,
+    `<function=`): Qwen3.5 may open a call inside its thinking without closing the block (vLLM's qwen3 reasoning
+    parser ends the reasoning there too), and the call then belongs to the content, where the tool-call parser
+    reads it. The newlines just inside the block and just after it are dropped (the templates write them as
+    layout). A reply that never closes its block is all reasoning. Text that could still turn out to be a tag, or
+    layout, is held back until it cannot."""
 
     def __init__(self, prompt_opened: bool):
         self.state = "opened" if prompt_opened else "start"  # start → opened | content; opened → reasoning → after
@@ -38,6 +44,14 @@ class ReasoningSplit:
                 rest = text[:len(text) - k]
                 return k + len(rest) - len(rest.rstrip("\n"))
         return 0
+
+    @classmethod
+    def _call_held(cls, text: str) -> int:
+        """The same for the start of an XML tool call: `<tool_call>` and whitespace, then part of `<function=`."""
+        at = text.rfind(TOOL_OPEN)
+        if at >= 0 and FUNCTION_OPEN.startswith(text[at + len(TOOL_OPEN):].lstrip()):
+            return len(text) - len(text[:at].rstrip("\n"))
+        return cls._held(text, TOOL_OPEN)
 
     def push(self, text: str, final: bool = False) -> tuple[str, str]:
         """(reasoning, content) that may be sent now, given the reply's next piece of text."""
@@ -58,15 +72,20 @@ class ReasoningSplit:
             self.state = "reasoning"
         if self.state == "reasoning":
             end = self.pending.find(THINK_CLOSE)
-            if end < 0:
+            call = _XML_CALL.search(self.pending)
+            if call is not None and (end < 0 or call.start() < end):  # a call ends the reasoning; it is content
+                reasoning, self.pending = self.pending[:call.start()].rstrip("\n"), self.pending[call.start():]
+                self.state = "content"
+            elif end < 0:
                 if final:
                     reasoning, self.pending = self.pending, ""
                     return reasoning, ""
-                cut = len(self.pending) - self._held(self.pending, THINK_CLOSE)
+                cut = len(self.pending) - max(self._held(self.pending, THINK_CLOSE), self._call_held(self.pending))
                 reasoning, self.pending = self.pending[:cut], self.pending[cut:]
                 return reasoning, ""
-            reasoning, self.pending = self.pending[:end].rstrip("\n"), self.pending[end + len(THINK_CLOSE):]
-            self.state = "after"
+            else:
+                reasoning, self.pending = self.pending[:end].rstrip("\n"), self.pending[end + len(THINK_CLOSE):]
+                self.state = "after"
         if self.state == "after":  # the newlines after the block are layout
             self.pending = self.pending.lstrip("\n")
             if not self.pending and not final:
@@ -79,9 +98,6 @@ class ReasoningSplit:
         """What is left once the reply has ended."""
         return self.push("", final=True)
 
-
-TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
-FUNCTION_OPEN, FUNCTION_CLOSE = "<function=", "</function>"
 
 
 class _BlockStream:

@@ -36,6 +36,7 @@ from qcompile.ir.lowering import host_target, step_function
 from qcompile.ir.types import TensorType, np_dtype
 from qcompile.ir.weights import param_types
 from qcompile.kernels import native
+from qcompile.kernels.cache_rows import NATIVE_GATHER, as_bits, from_bits, page_reader, scatter_rows
 from qcompile.kernels.logprobs import token_logprobs
 from qcompile.runtime.distributed import to_host
 from qcompile.runtime.sampling import GREEDY, sample, warm_sampler
@@ -229,6 +230,26 @@ def _reset_slot(caches, slot, native_ok: bool = True):
             for name, arr in caches.items()}
 
 
+def _read_rows(arr, index, native_ok: bool):
+    """arr[index] (rows of the leading axis). A bf16 array is read through the native gather (widened, then narrowed
+    back: exact) where it can be: XLA CPU converts the whole array to gather from it (kernels/cache_rows.py)."""
+    if arr.dtype == jnp.bfloat16 and arr.ndim >= 2 and native_ok and native.ensure(NATIVE_GATHER):
+        return page_reader(arr)(index[None, :]).reshape(index.shape[0], *arr.shape[1:]).astype(arr.dtype)
+    return from_bits(as_bits(arr)[index], arr.dtype)
+
+
+@functools.partial(jax.jit, donate_argnums=(0,), static_argnums=(5,))
+def _copy_sequence(caches, src_slot, dst_slot, src_pages, dst_pages, native_ok: bool = True):
+    """Every cache with a forked sequence's rows: its state slot and its KV pages copied from the source's, in place.
+    Page lists are padded with repeats of a pair (the same row written twice with the same value)."""
+    out = {}
+    for name, arr in caches.items():
+        src, dst = (src_slot[None], dst_slot[None]) if name.endswith("_state") else (src_pages, dst_pages)
+        rows = _read_rows(arr, src, native_ok)
+        out[name] = scatter_rows(arr, dst, rows) if native_ok else arr.at[dst].set(rows)
+    return out
+
+
 class Engine:
     def __init__(self, program, params: dict, cache: CacheConfig = CacheConfig(), target: str | None = None,
                  memory_budget: int | None = None):
@@ -404,6 +425,33 @@ class Engine:
                          if name.endswith("_state") and hasattr(arr, "sharding"))
         self.caches = _reset_slot(self.caches, jnp.int32(seq.slot), one_device)
         return seq
+
+    def fork(self, source: Sequence) -> Sequence | None:
+        """A new sequence whose cache holds what `source`'s holds (its state slot and KV pages copied on the device,
+        after every step launched so far), on the same rank; None when that rank has no free slot or not the pages.
+        A request's n choices share one prefill this way (runtime/scheduler.py)."""
+        rank = self.rank_of(source)
+        need = math.ceil(source.length / self.page_size)
+        slots, free = self.free_slots_by_rank[rank], self.free_pages_by_rank[rank]
+        if not slots or need > len(free):
+            return None
+        seq = Sequence(slots.pop(0), free[:need], source.length)
+        del free[:need]
+        if need:
+            width = 1 << (need - 1).bit_length()  # one program per power of two of pages
+            src, dst = source.pages[:need], list(seq.pages)
+            src, dst = src + [src[-1]] * (width - need), dst + [dst[-1]] * (width - need)
+            self.caches = _copy_sequence(self.caches, jnp.int32(source.slot), jnp.int32(seq.slot),
+                                         jnp.asarray(src, jnp.int32), jnp.asarray(dst, jnp.int32),
+                                         self._caches_on_one_device())
+        else:
+            self.caches = _reset_slot(self.caches, jnp.int32(seq.slot), self._caches_on_one_device())
+        return seq
+
+    def _caches_on_one_device(self) -> bool:
+        """Whether the native cache kernels may see the caches whole (a tensor-parallel or data-parallel cache is
+        split over devices: XLA's partitioner must move its rows)."""
+        return all(len(arr.sharding.device_set) == 1 for arr in self.caches.values() if hasattr(arr, "sharding"))
 
     def release(self, seq: Sequence) -> None:
         rank = self.rank_of(seq)

@@ -21,6 +21,14 @@ the device's step. A request whose token turns out to be a stop id has had one m
 dropped; a plan that would need a preemption is not launched ahead: the step in flight is read first and the next
 call plans on what it made, as without pipelining.
 
+Choices of one prompt (a request's `n`) share its prefill: a request whose `parent` is an earlier one with the same
+prompt waits while the parent feeds all of the prompt but its last token, then gets a copy of the parent's cache
+(Engine.fork: its GDN state slot and KV pages, copied on the device after the step that filled them), and every
+choice feeds the last token itself, so each draws its first token with its own sampling. A prompt fed once instead
+of n times; the tokens are the same as without sharing. A child that cannot get a slot or the pages at that moment,
+or whose parent finished or was cancelled first, is fed as any other request (never a deadlock: the parent does not
+wait for its children).
+
 With data-parallel ranks (engine.ranks > 1) pages are counted per rank: a request is admitted when the rank it
 would go to has the pages, and the request preempted is the youngest on a rank whose plan outgrows its pool.
 
@@ -63,6 +71,10 @@ class Request:
     prompt_logprobs: bool = False  # score each prompt token after the first: `prompt_scores`
     token_logprobs: list = attrs.Factory(list)
     prompt_scores: list = attrs.Factory(list)
+    # Another choice of the same prompt, submitted before this one: this request's cache is forked from its
+    # prefill (all but the last prompt token) instead of computed again; None once forked, or when it cannot be.
+    parent: "Request | None" = None
+    children: list = attrs.Factory(list)  # requests waiting to fork from this one's prefill
 
 
 class Scheduler:
@@ -80,9 +92,16 @@ class Scheduler:
         return math.ceil((len(request.prompt) + request.max_new_tokens) / self.engine.page_size)
 
     def submit(self, request: Request) -> None:
-        """Queue a request; refuses (exit 2) one that could never be served by this engine."""
+        """Queue a request; refuses (exit 2) one that could never be served by this engine. A request whose `parent`
+        has the same prompt (of two or more tokens) and is not finished waits to fork from its prefill."""
         self.check(request)
         request.submitted_at = time.perf_counter()
+        parent = request.parent
+        if parent is not None and len(request.prompt) > 1 and parent.prompt == request.prompt and \
+                parent.finish_reason is None and parent.submitted_at is not None and not parent.tokens:
+            parent.children.append(request)
+        else:
+            request.parent = None
         self.waiting.append(request)
 
     def check(self, request: Request) -> None:
@@ -125,20 +144,62 @@ class Scheduler:
     def _rank(self, request: Request) -> int:
         return self.engine.rank_of(request.seq)
 
+    def _spare_pages(self, rank: int) -> int:
+        """Free pages on `rank` beyond those its running requests' next decode tokens will take."""
+        return len(self.engine.free_pages_by_rank[rank]) - sum(
+            self._new_pages(r, 1) for r in self.running if r.prefilled == len(r.feed) and self._rank(r) == rank)
+
     def _admit(self) -> None:
-        while self.waiting and self.engine.free_slots:
-            request = self.waiting[0]
+        self._fork()
+        for request in list(self.waiting):  # oldest first
+            if not self.engine.free_slots:
+                break
+            if self._awaits_fork(request):
+                continue
             if request.feed is None:
                 request.feed = list(request.prompt)
             # pages the running requests' next decode tokens will take come first (on the rank it would go to)
-            rank = self.engine.next_rank()
-            spare = len(self.engine.free_pages_by_rank[rank]) - sum(
-                self._new_pages(r, 1) for r in self.running if r.prefilled == len(r.feed) and self._rank(r) == rank)
-            if math.ceil((len(request.feed) + 1) / self.engine.page_size) > spare:
+            if math.ceil((len(request.feed) + 1) / self.engine.page_size) > self._spare_pages(self.engine.next_rank()):
                 break  # oldest first: later requests wait behind it rather than starve it
-            self.waiting.popleft()
+            self.waiting.remove(request)
             request.seq = self.engine.add_sequence()
             self.running.append(request)
+
+    @staticmethod
+    def _fork_point(request: Request) -> int:
+        """How much of a prompt a parent prefills before its children fork: all but the last token, which each
+        choice then feeds itself (its first token is drawn there, with its own sampling)."""
+        return len(request.prompt) - 1
+
+    def _awaits_fork(self, request: Request) -> bool:
+        """Whether a waiting request is still to be forked from its parent's prefill (else it is fed as any other:
+        its parent finished, went past the fork point, or it was never linked)."""
+        parent = request.parent
+        if parent is not None and parent.finish_reason is None and request in parent.children and \
+                parent.prefilled <= self._fork_point(parent):
+            return True
+        request.parent = None
+        return False
+
+    def _fork(self) -> None:
+        """Fork the children of every running request whose prefill stands at the fork point (launched: the copy
+        follows that step on the device); a child that cannot have a slot or the pages now is fed on its own."""
+        for parent in self.running:
+            if not parent.children or parent.prefilled != self._fork_point(parent) or \
+                    parent.seq.length != self._fork_point(parent):
+                continue
+            for child in parent.children:
+                if child not in self.waiting:  # cancelled meanwhile
+                    continue
+                pages = math.ceil(len(child.prompt) / self.engine.page_size)
+                seq = self.engine.fork(parent.seq) if pages <= self._spare_pages(self._rank(parent)) else None
+                child.parent = None
+                if seq is None:
+                    continue
+                child.seq, child.feed, child.prefilled = seq, list(child.prompt), parent.prefilled
+                self.waiting.remove(child)
+                self.running.append(child)
+            parent.children = []
 
     def _preempt(self, request: Request) -> None:
         self.engine.release(request.seq)
@@ -164,9 +225,12 @@ class Scheduler:
                 left -= 1
         for request in self.running:
             rest = len(request.feed) - request.prefilled
+            if request.children and request.prefilled < self._fork_point(request):  # stop where its children fork
+                rest = self._fork_point(request) - request.prefilled
             if rest and left > 0:
                 take = min(rest, left)
-                plan.append((request, request.feed[request.prefilled:request.prefilled + take], take == rest))
+                plan.append((request, request.feed[request.prefilled:request.prefilled + take],
+                             request.prefilled + take == len(request.feed)))
                 left -= take
         return plan
 

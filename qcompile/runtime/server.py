@@ -125,12 +125,16 @@ class _Completions:
         tokenizer = app_state.tokenizer
         self.choices: list[_Choice] = []
         for prompt in completion.prompts:
+            first = None  # a prompt's later choices fork from its first's prefill (runtime/scheduler.py), unless
+            # each scores the prompt (echo with logprobs)
             for _ in range(completion.n):
                 index = len(self.choices)
                 scored = completion.logprobs is not None
                 request = Request(list(prompt), max(1, completion.max_tokens), stop_ids=completion.stop_ids,
                                   id=f"{self.id}-{index}", sampling=completion.sampling(index), logprobs=scored,
-                                  prompt_logprobs=scored and completion.echo)
+                                  prompt_logprobs=scored and completion.echo, parent=first)
+                if first is None and not request.prompt_logprobs:
+                    first = request
                 stream = TextStream(tokenizer, completion.stop) if tokenizer is not None else None
                 self.choices.append(_Choice(index, request, stream, now))
 
@@ -147,12 +151,10 @@ class _Completions:
         for choice in self.choices:
             self.state.loop.check(choice.request)  # before any is queued: all or nothing
         metrics.prompt_tokens.inc(sum(map(len, self.completion.prompts)))  # each prompt once, as usage counts
-        for choice in self.choices:
-            self.state.loop.submit(choice.request,
-                                   lambda r, t, i=choice.index: self._post("token", i, t, time.perf_counter(),
-                                                                           _scores(r)),
-                                   lambda r, i=choice.index: self._post("finish", i, r.finish_reason,
-                                                                        time.perf_counter(), None))
+        self.state.loop.submit_all([
+            (choice.request, lambda r, t, i=choice.index: self._post("token", i, t, time.perf_counter(), _scores(r)),
+             lambda r, i=choice.index: self._post("finish", i, r.finish_reason, time.perf_counter(), None))
+            for choice in self.choices])
 
     def cancel_unfinished(self) -> None:
         """Cancel the choices still running (the client went away, or the stream ended on an error): they finish
@@ -351,7 +353,9 @@ async def _disconnected(receive) -> None:
         pass
 
 
-REASONING_PARSERS = ("think",)  # <think> ... </think> (frontend/replies.py ReasoningSplit)
+#: <think> ... </think> (frontend/replies.py ReasoningSplit), under its own name and the names vLLM's commands give it
+#: for these models (Qwen3.5's model card: qwen3; Qwen3-Next-Thinking's: deepseek_r1): one parser.
+REASONING_PARSERS = ("think", "qwen3", "deepseek_r1")
 #: hermes: <tool_call>{"name", "arguments"}</tool_call> (Qwen3, Qwen3-Next); qwen3_coder: <tool_call><function=NAME>
 #: <parameter=K>value</parameter>... (Qwen3.5, Qwen3-Coder), values typed by the request's tools (frontend/replies.py)
 TOOL_CALL_PARSERS = tuple(TOOL_CALL_STREAMS)

@@ -103,12 +103,19 @@ class EngineLoop:
                on_finish: Callable[[Request], None]) -> None:
         """Queue `request`; `on_token(request, token)` for every token, then `on_finish(request)` once (its
         finish_reason set: stop, length, cancelled or error)."""
-        self.check(request)
+        self.submit_all([(request, on_token, on_finish)])
+
+    def submit_all(self, jobs: list[tuple[Request, Callable, Callable]]) -> None:
+        """`submit` each (request, on_token, on_finish), all applied between the same two steps (a request's
+        choices: the scheduler forks the later ones from the first's prefill only if it has not run past it)."""
+        for request, _, _ in jobs:
+            self.check(request)
         if self._stopping or not self._thread.is_alive():
-            request.finish_reason = "error" if self.error is not None else "cancelled"
-            on_finish(request)
+            for request, _, on_finish in jobs:
+                request.finish_reason = "error" if self.error is not None else "cancelled"
+                on_finish(request)
             return
-        self._commands.put(("submit", _Job(request, on_token, on_finish)))
+        self._commands.put(("submit", [_Job(*job) for job in jobs]))
         self._wake.set()
 
     def cancel(self, request: Request) -> None:
@@ -128,19 +135,23 @@ class EngineLoop:
                 return changed
             changed = True
             if kind == "submit":
-                if self._stopping:
-                    item.request.finish_reason = "cancelled"
-                    item.on_finish(item.request)
-                    continue
-                try:
-                    self.scheduler.submit(item.request)
-                except UsageError:  # checked by `submit` already; never let one request stop the loop
-                    item.request.finish_reason = "cancelled"
-                    item.on_finish(item.request)
-                    continue
-                self._jobs[item.request] = item
+                for job in item:
+                    self._submit(job)
             elif kind == "cancel" and self.scheduler.cancel(item):
                 self._finish(item)
+
+    def _submit(self, job: _Job) -> None:
+        if self._stopping:
+            job.request.finish_reason = "cancelled"
+            job.on_finish(job.request)
+            return
+        try:
+            self.scheduler.submit(job.request)
+        except UsageError:  # checked by `submit` already; never let one request stop the loop
+            job.request.finish_reason = "cancelled"
+            job.on_finish(job.request)
+            return
+        self._jobs[job.request] = job
 
     def _finish(self, request: Request) -> None:
         job = self._jobs.pop(request, None)
@@ -213,7 +224,7 @@ class EngineLoop:
             except queue.Empty:
                 break
             if kind == "submit":
-                self._jobs[item.request] = item
+                self._jobs.update((job.request, job) for job in item)
         for request in list(self._jobs):
             if request.finish_reason is None:
                 try:
