@@ -193,3 +193,27 @@ def test_choices_of_one_prompt_share_its_prefill(model):
     assert one_slot == alone and fed_one_slot >= 4 * 37
     cancelled, _ = run(True, cancel_first=True)
     assert cancelled[1:] == alone[1:]
+
+
+def test_a_group_of_choices_is_admitted_when_all_can_fork(model):
+    """Two prompts of four choices each in six slots: the second prompt's first choice waits until its whole group
+    fits beside the slots the first group's choices will fork into (admitted at once, two of its choices would find
+    none and be fed on their own), so both prompts are fed once; the tokens are those of eight independent
+    requests."""
+    from qcompile.runtime.sampling import Sampling
+
+    prompts = [[(7 * i + 5 + k) % 500 + 3 for i in range(37)] for k in range(2)]
+
+    def run(link: bool):
+        engine = model.engine(CacheConfig(max_seqs=6, max_context=64, max_step_tokens=16))
+        fed = _fed_tokens(engine)
+        requests = [Request(p, 6, id=4 * k + j, sampling=Sampling(0.9, seed=4 * k + j))
+                    for k, p in enumerate(prompts) for j in range(4)]
+        for index, request in enumerate(requests):
+            request.parent = requests[index - index % 4] if link and index % 4 else None
+        Scheduler(engine).run(requests)
+        return [r.tokens for r in requests], sum(fed)
+
+    alone, _ = run(False)
+    shared, fed = run(True)
+    assert shared == alone and fed <= 2 * (37 + 3) + 8 * 6

@@ -149,6 +149,17 @@ class Scheduler:
         return len(self.engine.free_pages_by_rank[rank]) - sum(
             self._new_pages(r, 1) for r in self.running if r.prefilled == len(r.feed) and self._rank(r) == rank)
 
+    def _room(self, rank: int) -> tuple[int, int]:
+        """(slots, pages) free on `rank` beyond what its running requests need next: their decode tokens' pages and
+        the slots and pages of their choices still to fork."""
+        slots, spare = len(self.engine.free_slots_by_rank[rank]), self._spare_pages(rank)
+        for parent in self.running:
+            if parent.children and self._rank(parent) == rank:
+                waiting = sum(child in self.waiting for child in parent.children)
+                slots -= waiting
+                spare -= waiting * math.ceil(len(parent.prompt) / self.engine.page_size)
+        return slots, spare
+
     def _admit(self) -> None:
         self._fork()
         for request in list(self.waiting):  # oldest first
@@ -158,8 +169,16 @@ class Scheduler:
                 continue
             if request.feed is None:
                 request.feed = list(request.prompt)
-            # pages the running requests' next decode tokens will take come first (on the rank it would go to)
-            if math.ceil((len(request.feed) + 1) / self.engine.page_size) > self._spare_pages(self.engine.next_rank()):
+            # pages the running requests' next decode tokens will take come first (on the rank it would go to), then
+            # the slots and pages of the choices still to fork from running requests; a request with choices to fork
+            # waits for room for them all too, where an idle rank would have it
+            rank, pages = self.engine.next_rank(), math.ceil((len(request.feed) + 1) / self.engine.page_size)
+            slots, spare = self._room(rank)
+            group = 1 + sum(child in self.waiting for child in request.children)
+            if group > self.engine.cache_cfg.max_seqs // self.engine.ranks or \
+                    group * pages > self.engine.sizes["P"] // self.engine.ranks:
+                group = 1  # could never fit together: the choices that cannot fork are fed on their own
+            if slots < group or group * pages > spare:
                 break  # oldest first: later requests wait behind it rather than starve it
             self.waiting.remove(request)
             request.seq = self.engine.add_sequence()
