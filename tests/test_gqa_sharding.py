@@ -198,6 +198,16 @@ def test_the_engine_and_the_scheduler_on_data_parallel_ranks_give_the_single_dev
     assert [r.tokens for r in requests] == alone + alone
     assert all(r.finish_reason == "length" for r in requests)
     assert sum(r.preemptions for r in requests) > 0 and len(tight.free_slots) == 16 and len(tight.free_pages) == 16
+    # a prompt's second choice forks the first's cache on its rank (slot and pages copied across the sharded caches);
+    # the 20-token prompt's two choices need 4 pages together, more than a rank's 2: its second is fed on its own
+    forks, fork = [], tight.fork
+    tight.fork = lambda source: forks.append(tight.rank_of(source)) or fork(source)
+    pairs = [Request(p, 6, id=i) for p in prompts[:3] for i in range(2)]
+    for first, second in zip(pairs[::2], pairs[1::2]):
+        second.parent = first
+    Scheduler(tight).run(pairs)
+    assert [r.tokens for r in pairs] == [t for t in single["tokens"][:3] for _ in range(2)]
+    assert len(forks) == 2 and len(tight.free_slots) == 16 and len(tight.free_pages) == 16
 
 
 def test_rank_local_packing():

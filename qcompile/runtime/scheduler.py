@@ -98,7 +98,8 @@ class Scheduler:
         request.submitted_at = time.perf_counter()
         parent = request.parent
         if parent is not None and len(request.prompt) > 1 and parent.prompt == request.prompt and \
-                parent.finish_reason is None and parent.submitted_at is not None and not parent.tokens:
+                parent.finish_reason is None and parent.submitted_at is not None and \
+                parent.prefilled <= self._fork_point(parent):
             parent.children.append(request)
         else:
             request.parent = None
@@ -155,7 +156,7 @@ class Scheduler:
         slots, spare = len(self.engine.free_slots_by_rank[rank]), self._spare_pages(rank)
         for parent in self.running:
             if parent.children and self._rank(parent) == rank:
-                waiting = sum(child in self.waiting for child in parent.children)
+                waiting = sum(map(self._to_fork, parent.children))
                 slots -= waiting
                 spare -= waiting * math.ceil(len(parent.prompt) / self.engine.page_size)
         return slots, spare
@@ -174,7 +175,7 @@ class Scheduler:
             # waits for room for them all too, where an idle rank would have it
             rank, pages = self.engine.next_rank(), math.ceil((len(request.feed) + 1) / self.engine.page_size)
             slots, spare = self._room(rank)
-            group = 1 + sum(child in self.waiting for child in request.children)
+            group = 1 + sum(map(self._to_fork, request.children))
             if group > self.engine.cache_cfg.max_seqs // self.engine.ranks or \
                     group * pages > self.engine.sizes["P"] // self.engine.ranks:
                 group = 1  # could never fit together: the choices that cannot fork are fed on their own
@@ -189,6 +190,12 @@ class Scheduler:
         """How much of a prompt a parent prefills before its children fork: all but the last token, which each
         choice then feeds itself (its first token is drawn there, with its own sampling)."""
         return len(request.prompt) - 1
+
+    @staticmethod
+    def _to_fork(child: Request) -> bool:
+        """Whether a child is still waiting to fork (not cancelled, not fed on its own): O(1), unlike a search of
+        the waiting queue."""
+        return child.parent is not None and child.seq is None and child.finish_reason is None
 
     def _awaits_fork(self, request: Request) -> bool:
         """Whether a waiting request is still to be forked from its parent's prefill (else it is fed as any other:
@@ -208,7 +215,7 @@ class Scheduler:
                     parent.seq.length != self._fork_point(parent):
                 continue
             for child in parent.children:
-                if child not in self.waiting:  # cancelled meanwhile
+                if not self._to_fork(child):  # cancelled meanwhile
                     continue
                 pages = math.ceil(len(child.prompt) / self.engine.page_size)
                 seq = self.engine.fork(parent.seq) if pages <= self._spare_pages(self._rank(parent)) else None
