@@ -84,7 +84,8 @@ def test_what_can_never_be_served_is_refused_when_submitted(model):
 @pytest.mark.parametrize("count", [pytest.param(40, id="40"), pytest.param(2000, id="2000", marks=pytest.mark.slow)])
 def test_a_soak_with_cancellations_loses_nothing_and_leaks_nothing(model, alone, count):
     """Short requests over 5 prompts (each prompt's alone-tokens known; 40 in the default suite, 2000 in the slow
-    tier), 4 slots and a pool of 5 pages, so requests queue and get preempted; a third are cancelled — some while
+    tier), 4 slots and a pool of 5 pages, so requests queue and get preempted; a run of one prompt is linked as a
+    request's choices (forked from the first's prefill, when they fit); a third are cancelled — some while
     waiting, some mid-stream. Every request ends (length or cancelled, none lost), each uncancelled one made exactly
     its alone tokens (a cancelled one a prefix of them), and the slots and pages are all free again."""
     import numpy as np
@@ -96,10 +97,15 @@ def test_a_soak_with_cancellations_loses_nothing_and_leaks_nothing(model, alone,
     alone = [*alone, model.engine(CacheConfig(max_seqs=1, max_context=64, max_step_tokens=16)).generate(
         [growing], 6)["tokens"][0]]
     engine = model.engine(CacheConfig(max_seqs=4, max_context=64, max_step_tokens=16, num_pages=5))
+    forks, fork = [], engine.fork
+    engine.fork = lambda source: forks.append(source.slot) or fork(source)
     scheduler = Scheduler(engine)
     rng = np.random.default_rng(11)
     picks = np.concatenate([[4] * 4, rng.integers(0, len(prompts), count - 4)])
     requests = [Request(prompts[k], new[k], id=i) for i, k in enumerate(picks)]
+    for i in range(5, len(requests)):  # a run of one prompt: choices of one request, sharing the first's prefill
+        if picks[i] == picks[i - 1]:
+            requests[i].parent = requests[i - 1].parent or requests[i - 1]
     doomed = {i for i in range(4, len(requests)) if rng.random() < 1 / 3}
     early = [r for r in requests if r.id in doomed and r.id % 2]  # cancelled before any token
     for request in requests:
@@ -117,6 +123,7 @@ def test_a_soak_with_cancellations_loses_nothing_and_leaks_nothing(model, alone,
         assert request.tokens == expected
     assert all(len(r.tokens) == 1 for r in requests if r.id in doomed and not r.id % 2 and r.tokens)
     assert sum(r.preemptions for r in requests) > 0 and not scheduler.cancel(requests[0])
+    assert len(forks) >= count // 40, len(forks)  # runs of one prompt forked
     assert len(engine.free_slots) == 4 and len(engine.free_pages) == 5
     assert not scheduler.running and not scheduler.waiting
 

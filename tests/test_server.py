@@ -802,11 +802,12 @@ def test_bench_url_measures_the_server_with_the_in_process_metrics(server):
 
 @pytest.mark.slow
 def test_a_soak_of_many_short_requests_over_http_loses_and_leaks_nothing(server):
-    """600 short requests, 24 in flight at a time, every third client hanging up after its first token: every other
-    request gets all its tokens, and the pool is full at the end (the in-process soak is tests/test_scheduler.py)."""
+    """600 short sampled requests, every fifth with n = 3 (choices forking one prefill), 24 in flight at a time,
+    every third client hanging up after its first token: every other request gets all its tokens, and the pool is
+    full at the end (the in-process soak is tests/test_scheduler.py)."""
     async def one(client, gate, i):
         body = {"prompt": [(7 * i + j) % 450 + 5 for j in range(2 + i % 7)], "max_tokens": 2 + i % 4,
-                "temperature": 0, "stream": True}
+                "temperature": 0.7, "seed": i, "n": 3 if i % 5 == 0 else 1, "stream": True}
         async with gate, client.stream("POST", "/v1/completions", json=body) as response:
             assert response.status_code == 200
             tokens = 0
@@ -815,7 +816,7 @@ def test_a_soak_of_many_short_requests_over_http_loses_and_leaks_nothing(server)
                     tokens += len(json.loads(line[6:])["choices"][0]["token_ids"])
                     if i % 3 == 2:
                         return None
-            return tokens == body["max_tokens"]
+            return tokens == body["max_tokens"] * body["n"]
 
     async def main():
         gate = asyncio.Semaphore(24)
