@@ -419,11 +419,7 @@ class Engine:
         if not self.free_slots_by_rank[rank]:
             raise UsageError(f"all {self.cache_cfg.max_seqs} sequence slots are in use; raise --max-seqs")
         seq = Sequence(self.free_slots_by_rank[rank].pop(0))
-        # the native kernel sees whole arrays: only for states on one device (a tensor-parallel state is split
-        # over its heads even with one data-parallel rank, and a custom call's result would come back replicated)
-        one_device = all(len(arr.sharding.device_set) == 1 for name, arr in self.caches.items()
-                         if name.endswith("_state") and hasattr(arr, "sharding"))
-        self.caches = _reset_slot(self.caches, jnp.int32(seq.slot), one_device)
+        self.caches = _reset_slot(self.caches, jnp.int32(seq.slot), self._caches_on_one_device())
         return seq
 
     def fork(self, source: Sequence) -> Sequence | None:
@@ -449,8 +445,9 @@ class Engine:
         return seq
 
     def _caches_on_one_device(self) -> bool:
-        """Whether the native cache kernels may see the caches whole (a tensor-parallel or data-parallel cache is
-        split over devices: XLA's partitioner must move its rows)."""
+        """Whether the native cache kernels may see the caches whole: a tensor-parallel state is split over its
+        heads even with one data-parallel rank, a data-parallel cache over the ranks, and a custom call's result
+        would come back replicated; XLA's partitioner moves their rows instead."""
         return all(len(arr.sharding.device_set) == 1 for arr in self.caches.values() if hasattr(arr, "sharding"))
 
     def release(self, seq: Sequence) -> None:

@@ -275,11 +275,12 @@ class _Completions:
 
 
 def _scores(request: Request) -> tuple | None:
-    """What a token event carries for logprobs (read on the engine thread, when the token is made): the prompt's
-    scores (complete once the first token is made) and the token's own, or None."""
+    """What a token event carries for logprobs (read on the engine thread, when the token is made): with the first
+    token the prompt's scores (complete by then; only a choice's first piece reports them), and the token's own;
+    None without logprobs."""
     if not request.logprobs:
         return None
-    return tuple(request.prompt_scores), request.token_logprobs[-1]
+    return tuple(request.prompt_scores) if len(request.tokens) == 1 else (), request.token_logprobs[-1]
 
 
 @attrs.define
