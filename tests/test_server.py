@@ -113,8 +113,7 @@ def test_concurrent_requests_get_their_own_greedy_tokens(server, alone):
 
 
 def _preemptions(server) -> float:
-    text = httpx.get(server.url + "/metrics").text
-    return float(re.search(r"^qcompile_preemptions (\S+)", text, re.M).group(1))
+    return _metric(server, "qcompile_preemptions")
 
 
 def test_requests_preempted_for_pages_still_get_their_own_tokens(server, model):
@@ -175,10 +174,19 @@ def test_text_prompts_and_stop_strings(server, tokenizer):
     server.wait_pool_full()
 
 
+def _metric(server, name: str) -> float:
+    text = httpx.get(server.url + "/metrics").text
+    return float(re.search(rf"^{name} (\S+)", text, re.M).group(1))
+
+
 def test_n_choices_and_seeded_sampling_are_reproducible(server):
     body = {"prompt": [PROMPTS[0], PROMPTS[2]], "max_tokens": 5, "temperature": 0.9, "top_p": 0.95, "seed": 11,
             "n": 2}
+    forks, shared = _metric(server, "qcompile_prefill_forks"), _metric(server, "qcompile_prompt_tokens_shared")
     first, again = (httpx.post(server.url + "/v1/completions", json=body, timeout=60).json() for _ in range(2))
+    # each prompt's second choice forked its first's prefill (all but the last token), in both requests
+    assert _metric(server, "qcompile_prefill_forks") == forks + 4
+    assert _metric(server, "qcompile_prompt_tokens_shared") == shared + 2 * (len(PROMPTS[0]) - 1 + len(PROMPTS[2]) - 1)
     assert [c["index"] for c in first["choices"]] == [0, 1, 2, 3]
     # usage counts each prompt once, whatever n (as OpenAI does), and every choice's tokens
     assert first["usage"]["prompt_tokens"] == len(PROMPTS[0]) + len(PROMPTS[2])

@@ -85,6 +85,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.steps = 0
         self.preemptions = 0  # requests preempted (and later recomputed) so far
+        self.forks = 0  # choices forked from their prompt's prefill so far
+        self.shared_prompt_tokens = 0  # the prompt tokens those forks did not feed again
         # the step launched and not read yet, with its plan and each item's first fed position
         self._in_flight: tuple[LaunchedStep, list[tuple[Request, list, bool]], list[int]] | None = None
 
@@ -223,6 +225,8 @@ class Scheduler:
                 if seq is None:
                     continue
                 child.seq, child.feed, child.prefilled = seq, list(child.prompt), parent.prefilled
+                self.forks += 1
+                self.shared_prompt_tokens += parent.prefilled
                 self.waiting.remove(child)
                 self.running.append(child)
             parent.children = []

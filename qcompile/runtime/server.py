@@ -68,6 +68,10 @@ class Metrics:
         self._counted = 0
         self.preemptions = Gauge("qcompile_preemptions", "Requests preempted for KV pages (and recomputed) so far",
                                  registry=registry)
+        self.forks = Gauge("qcompile_prefill_forks", "Choices forked from their prompt's prefill (a request's n) so far",
+                           registry=registry)
+        self.shared_prompt_tokens = Gauge("qcompile_prompt_tokens_shared",
+                                          "Prompt tokens those forks did not compute again, so far", registry=registry)
         self.requests = Counter("qcompile_requests_finished", "Finished choices by reason", ["finish_reason"],
                                 registry=registry)
         self.ttft = Histogram("qcompile_time_to_first_token_seconds", "Time to first token", buckets=latency,
@@ -85,6 +89,8 @@ class Metrics:
         self.slots_used.set(state.slots_used)
         self.tokens_per_s.set(state.tokens_per_s)
         self.preemptions.set(state.preemptions)
+        self.forks.set(state.forks)
+        self.shared_prompt_tokens.set(state.shared_prompt_tokens)
         if state.tokens_made > self._counted:  # made by the engine, whether or not a client was still there
             self.generation_tokens.inc(state.tokens_made - self._counted)
             self._counted = state.tokens_made

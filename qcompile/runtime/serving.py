@@ -49,6 +49,8 @@ class LoopState:
     step_seconds: float | None  # the last step's wall time (None before the first)
     tokens_made: int = 0  # every token the engine has made since the loop started (cancelled requests' too)
     preemptions: int = 0  # requests preempted for pages (and recomputed) since the loop started
+    forks: int = 0  # choices forked from their prompt's prefill (a request's n) since the loop started
+    shared_prompt_tokens: int = 0  # prompt tokens those forks did not compute again
 
 
 class EngineLoop:
@@ -176,7 +178,8 @@ class EngineLoop:
                          kv_pages_total=total_pages,
                          slots_used=total_slots - sum(map(len, engine.free_slots_by_rank)), slots_total=total_slots,
                          tokens_per_s=self.tokens_per_s(), step_seconds=self._last_step,
-                         tokens_made=self._tokens_made, preemptions=self.scheduler.preemptions)
+                         tokens_made=self._tokens_made, preemptions=self.scheduler.preemptions,
+                         forks=self.scheduler.forks, shared_prompt_tokens=self.scheduler.shared_prompt_tokens)
 
     def _report(self) -> None:
         if self.on_state is not None:
