@@ -701,6 +701,9 @@ def bench_cmd(source, url, workload, scale, input_len, output_len, concurrency, 
 @click.option("--verify", type=click.Choice(["final", "none"]), default="final", show_default=True,
               help="Check the build against the unoptimized graph before serving (checkpoint only).")
 @click.option("--no-warmup", is_flag=True, help="Compile each shape bucket on first use instead of before serving.")
+@click.option("--prefix-cache/--no-prefix-cache", default=True, show_default=True,
+              help="Keep finished sequences (slot and KV pages, released whenever a request needs them) so that a "
+                   "prompt continuing one — the next turn of a conversation — feeds only its new tokens.")
 @click.option("--mesh", "mesh_spec", metavar="SPEC",
               help="Lay the model out on a device mesh (8, 4x2) with gqa-sharding (checkpoint only).")
 @click.option("--chat-template", "chat_template_path", type=click.Path(path_type=Path), metavar="FILE",
@@ -717,7 +720,7 @@ def bench_cmd(source, url, workload, scale, input_len, output_len, concurrency, 
                    "message.tool_calls: hermes reads <tool_call>{JSON}</tool_call> (Qwen3, Qwen3-Next), qwen3_coder "
                    "<tool_call><function=NAME><parameter=K>...</tool_call> (Qwen3.5, Qwen3-Coder).")
 def serve_cmd(source, host, port, served_model_name, passes_spec, dtype, max_seqs, max_context, num_pages,
-              max_step_tokens, memory_budget, verify, no_warmup, mesh_spec, chat_template_path, reasoning_parser,
+              max_step_tokens, memory_budget, verify, no_warmup, prefix_cache, mesh_spec, chat_template_path, reasoning_parser,
               enable_auto_tool_choice, tool_call_parser):
     """Serve CHECKPOINT (or an artifact) over HTTP with OpenAI's completions and chat APIs (docs/serving.md).
 
@@ -817,7 +820,7 @@ def serve_cmd(source, host, port, served_model_name, passes_spec, dtype, max_seq
         name = served_model_name or Path(source).resolve().name
         info = ModelInfo(name=name, vocab_size=vocab, max_context=engine.cache_cfg.max_context, eos_ids=eos_ids)
         metrics = Metrics()
-        loop = EngineLoop(Scheduler(engine), metrics.on_state)
+        loop = EngineLoop(Scheduler(engine, prefix_cache=prefix_cache), metrics.on_state)
         metrics.on_state(loop.state())
         loop.start()
         app = create_app(loop, info, tokenizer, metrics, chat_template, reasoning_parser, tool_call_parser)

@@ -15,10 +15,10 @@ class Server:
     """A uvicorn server on 127.0.0.1 (any free port) over an engine loop, in a thread of this process."""
 
     def __init__(self, engine, tokenizer, eos_ids=(), chat_template=None, reasoning_parser=None,
-                 tool_call_parser=None):
+                 tool_call_parser=None, prefix_cache=False):
         self.engine = engine
         self.metrics = Metrics()
-        self.loop = EngineLoop(Scheduler(engine), self.metrics.on_state).start()
+        self.loop = EngineLoop(Scheduler(engine, prefix_cache=prefix_cache), self.metrics.on_state).start()
         self.info = ModelInfo("small", 512, engine.cache_cfg.max_context, tuple(eos_ids))
         app = create_app(self.loop, self.info, tokenizer, self.metrics, chat_template, reasoning_parser,
                          tool_call_parser)

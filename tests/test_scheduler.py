@@ -85,7 +85,8 @@ def test_what_can_never_be_served_is_refused_when_submitted(model):
 def test_a_soak_with_cancellations_loses_nothing_and_leaks_nothing(model, alone, count):
     """Short requests over 5 prompts (each prompt's alone-tokens known; 40 in the default suite, 2000 in the slow
     tier), 4 slots and a pool of 5 pages, so requests queue and get preempted; a run of one prompt is linked as a
-    request's choices (forked from the first's prefill, when they fit); a third are cancelled — some while
+    request's choices (forked from the first's prefill, when they fit); finished sequences are kept (prefix cache)
+    and released as later requests need the room; a third are cancelled — some while
     waiting, some mid-stream. Every request ends (length or cancelled, none lost), each uncancelled one made exactly
     its alone tokens (a cancelled one a prefix of them), and the slots and pages are all free again."""
     import numpy as np
@@ -99,7 +100,7 @@ def test_a_soak_with_cancellations_loses_nothing_and_leaks_nothing(model, alone,
     engine = model.engine(CacheConfig(max_seqs=4, max_context=64, max_step_tokens=16, num_pages=5))
     forks, fork = [], engine.fork
     engine.fork = lambda source: forks.append(source.slot) or fork(source)
-    scheduler = Scheduler(engine)
+    scheduler = Scheduler(engine, prefix_cache=True)  # finished sequences kept, then released for later requests
     rng = np.random.default_rng(11)
     picks = np.concatenate([[4] * 4, rng.integers(0, len(prompts), count - 4)])
     requests = [Request(prompts[k], new[k], id=i) for i, k in enumerate(picks)]
@@ -124,6 +125,9 @@ def test_a_soak_with_cancellations_loses_nothing_and_leaks_nothing(model, alone,
     assert all(len(r.tokens) == 1 for r in requests if r.id in doomed and not r.id % 2 and r.tokens)
     assert sum(r.preemptions for r in requests) > 0 and not scheduler.cancel(requests[0])
     assert len(forks) >= count // 40, len(forks)  # runs of one prompt forked
+    assert scheduler.kept()[0] >= 1
+    while scheduler._evict(0):
+        pass
     assert len(engine.free_slots) == 4 and len(engine.free_pages) == 5
     assert not scheduler.running and not scheduler.waiting
 
@@ -224,3 +228,32 @@ def test_a_group_of_choices_is_admitted_when_all_can_fork(model):
     alone, _ = run(False)
     shared, fed = run(True)
     assert shared == alone and fed <= 2 * (37 + 3) + 8 * 6
+
+
+def test_a_prompt_that_continues_a_finished_sequence_continues_its_cache(model):
+    """The prefix cache: a finished request's sequence is kept with the tokens its cache holds; the next turn of the
+    conversation (its prompt: the last prompt, the reply and new tokens) continues it, feeding only the new tokens,
+    and makes the tokens it makes from scratch. A prompt that does not continue a kept sequence, or needs its slot,
+    gets it released (oldest first); kept sequences count as free in the end."""
+    engine = model.engine(CacheConfig(max_seqs=2, max_context=96, max_step_tokens=16))
+    fed = _fed_tokens(engine)
+    scheduler = Scheduler(engine, prefix_cache=True)
+    first = Request(PROMPTS[1], 5)
+    scheduler.run([first])
+    assert scheduler.kept() == (1, 2)  # 23 + 5 tokens: two pages, the last token not fed (none launched after it)
+    follow = first.prompt + first.tokens + [7, 8, 9]
+    second = Request(follow, 4)
+    before = sum(fed)
+    scheduler.run([second])
+    assert sum(fed) - before == 3 + 1 + 3  # the reply's last token and the new three, then three decode tokens
+    assert scheduler.prefix_hits == 1 and scheduler.prefix_hit_tokens == len(first.prompt) + 4
+    scratch = model.engine(CacheConfig(max_seqs=1, max_context=96, max_step_tokens=16))
+    assert second.tokens == scratch.generate([follow], 4)["tokens"][0]
+    # two unrelated prompts need both slots: the kept sequence is released for them
+    others = [Request(PROMPTS[0], 3), Request(PROMPTS[3], 3)]
+    scheduler.run(others)
+    assert [r.tokens for r in others] == [scratch.generate([r.prompt], 3)["tokens"][0] for r in others]
+    assert scheduler.prefix_hits == 1 and scheduler.kept()[0] == 2
+    while scheduler._evict(0):
+        pass
+    assert sorted(engine.free_slots) == [0, 1] and len(engine.free_pages) == engine.sizes["P"]

@@ -71,9 +71,10 @@ def chat_template():
 
 @pytest.fixture(scope="module")
 def server(model, tokenizer, chat_template):
-    """Three slots and 5 pages of 16 tokens: the five prompts queue for slots, and their decodes outgrow the pool."""
+    """Three slots and 5 pages of 16 tokens: the five prompts queue for slots, and their decodes outgrow the pool;
+    finished sequences are kept for prompts that continue them (released whenever a request needs the room)."""
     srv = Server(model.engine(CacheConfig(max_seqs=3, max_context=48, num_pages=5, max_step_tokens=8)), tokenizer,
-                 chat_template=chat_template)
+                 chat_template=chat_template, prefix_cache=True)  # as `serve` runs by default
     yield srv
     srv.close()
 
@@ -198,6 +199,24 @@ def test_n_choices_and_seeded_sampling_are_reproducible(server):
     alone = httpx.post(server.url + "/v1/completions", json={**body, "prompt": PROMPTS[0], "n": 1, "seed": 12},
                        timeout=60).json()
     assert alone["choices"][0]["token_ids"] == first["choices"][1]["token_ids"]
+
+
+def test_a_prompt_continuing_a_finished_reply_feeds_only_its_new_tokens(server, model):
+    """The prefix cache (on, as `serve` runs): a second request whose prompt is the first's prompt, its reply and
+    two more tokens continues the first's kept sequence — one hit, the prompt tokens it held not fed again — and
+    gets the tokens the engine makes for that prompt from scratch."""
+    prompt = PROMPTS[4]
+    first = httpx.post(server.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 4, "temperature": 0},
+                       timeout=60).json()["choices"][0]["token_ids"]
+    hits, tokens = _metric(server, "qcompile_prefix_cache_hits"), _metric(server, "qcompile_prefix_cache_hit_tokens")
+    follow = prompt + first + [5, 6]
+    second = httpx.post(server.url + "/v1/completions", json={"prompt": follow, "max_tokens": 3, "temperature": 0},
+                        timeout=60).json()["choices"][0]["token_ids"]
+    assert _metric(server, "qcompile_prefix_cache_hits") == hits + 1
+    assert _metric(server, "qcompile_prefix_cache_hit_tokens") >= tokens + len(prompt) + 3
+    scratch = model.engine(CacheConfig(max_seqs=1, max_context=48, max_step_tokens=8))
+    assert second == scratch.generate([follow], 3)["tokens"][0]
+    server.wait_pool_full()  # kept sequences are not counted as used
 
 
 def _generated(server) -> float:

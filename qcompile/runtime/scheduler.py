@@ -29,6 +29,11 @@ of n times; the tokens are the same as without sharing. A child that cannot get 
 or whose parent finished or was cancelled first, is fed as any other request (never a deadlock: the parent does not
 wait for its children).
 
+With `prefix_cache`, a finished request's sequence is kept (slot and pages) with the tokens its cache holds, and a
+later request whose feed starts with all of them takes it over and feeds the rest (a GDN state is only reusable at
+the end of what it summarised: the next turn of a conversation continues the last). Kept sequences are released,
+oldest first, whenever admission, a fork or a step needs their slots or pages — before any request is preempted.
+
 With data-parallel ranks (engine.ranks > 1) pages are counted per rank: a request is admitted when the rank it
 would go to has the pages, and the request preempted is the youngest on a rank whose plan outgrows its pool.
 
@@ -78,8 +83,13 @@ class Request:
 
 
 class Scheduler:
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, prefix_cache: bool = False):
         self.engine = engine
+        # finished sequences kept with the tokens their cache holds, oldest first, for a later prompt that continues
+        # one (the next turn of a conversation); None: released when they finish
+        self.prefix_cache: list[tuple[list[int], Sequence]] | None = [] if prefix_cache else None
+        self.prefix_hits = 0  # requests that continued a kept sequence
+        self.prefix_hit_tokens = 0  # the prompt tokens those did not feed again
         self.budget = engine.cache_cfg.max_step_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -166,26 +176,49 @@ class Scheduler:
     def _admit(self) -> None:
         self._fork()
         for request in list(self.waiting):  # oldest first
-            if not self.engine.free_slots:
-                break
             if self._awaits_fork(request):
                 continue
             if request.feed is None:
                 request.feed = list(request.prompt)
-            # pages the running requests' next decode tokens will take come first (on the rank it would go to), then
-            # the slots and pages of the choices still to fork from running requests; a request with choices to fork
-            # waits for room for them all too, where an idle rank would have it
-            rank, pages = self.engine.next_rank(), math.ceil((len(request.feed) + 1) / self.engine.page_size)
-            slots, spare = self._room(rank)
-            group = 1 + sum(map(self._to_fork, request.children))
-            if group > self.engine.cache_cfg.max_seqs // self.engine.ranks or \
-                    group * pages > self.engine.sizes["P"] // self.engine.ranks:
-                group = 1  # could never fit together: the choices that cannot fork are fed on their own
-            if slots < group or group * pages > spare:
+            if not self._admitted(request):
                 break  # oldest first: later requests wait behind it rather than starve it
+
+    def _admitted(self, request: Request) -> bool:
+        """Admit a waiting request if there is room — on a kept sequence its feed continues, else on a new one —
+        releasing kept sequences (oldest first) to make room; False when there is none."""
+        hit = self._continued(request)
+        if hit is not None:  # continue a kept sequence: its slot and pages are the request's now
+            tokens, seq = hit
+            rank = self.engine.rank_of(seq)
+            need = math.ceil((len(request.feed) + 1) / self.engine.page_size) - len(seq.pages)
+            while need > self._room(rank)[1]:
+                if not self._evict(rank, keep=seq):
+                    return False
+            self.prefix_cache.remove(hit)
             self.waiting.remove(request)
-            request.seq = self.engine.add_sequence()
+            request.seq, request.prefilled = seq, len(tokens)
             self.running.append(request)
+            self.prefix_hits += 1
+            self.prefix_hit_tokens += len(tokens)
+            return True
+        # pages the running requests' next decode tokens will take come first (on the rank it would go to), then
+        # the slots and pages of the choices still to fork from running requests; a request with choices to fork
+        # waits for room for them all too, where an idle rank would have it
+        rank, pages = self.engine.next_rank(), math.ceil((len(request.feed) + 1) / self.engine.page_size)
+        group = 1 + sum(map(self._to_fork, request.children))
+        if group > self.engine.cache_cfg.max_seqs // self.engine.ranks or \
+                group * pages > self.engine.sizes["P"] // self.engine.ranks:
+            group = 1  # could never fit together: the choices that cannot fork are fed on their own
+        while True:
+            slots, spare = self._room(rank)
+            if slots >= group and group * pages <= spare:
+                break
+            if not self._evict(rank):
+                return False
+        self.waiting.remove(request)
+        request.seq = self.engine.add_sequence()
+        self.running.append(request)
+        return True
 
     @staticmethod
     def _fork_point(request: Request) -> int:
@@ -219,8 +252,11 @@ class Scheduler:
             for child in parent.children:
                 if not self._to_fork(child):  # cancelled meanwhile
                     continue
-                pages = math.ceil(len(child.prompt) / self.engine.page_size)
-                seq = self.engine.fork(parent.seq) if pages <= self._spare_pages(self._rank(parent)) else None
+                pages, rank = math.ceil(len(child.prompt) / self.engine.page_size), self._rank(parent)
+                while (pages > self._spare_pages(rank) or not self.engine.free_slots_by_rank[rank]) and \
+                        self._evict(rank):
+                    pass
+                seq = self.engine.fork(parent.seq) if pages <= self._spare_pages(rank) else None
                 child.parent = None
                 if seq is None:
                     continue
@@ -290,12 +326,13 @@ class Scheduler:
         """Admit, plan, and preempt until the plan fits the pages (nothing in flight)."""
         self._admit()
         plan = self._plan()
-        while len(self.running) > 1:
-            short = self._short_rank(plan)
-            if short is None:
-                break
-            # A request needs at most a rank's pool (submit), so a short rank runs two or more: preempt its youngest.
-            self._preempt([r for r in self.running if self._rank(r) == short][-1])
+        while (short := self._short_rank(plan)) is not None:
+            # kept sequences give their pages back first; then, as a request needs at most a rank's pool (submit),
+            # a short rank runs two or more: preempt its youngest
+            if not self._evict(short):
+                if len(self.running) < 2:
+                    break
+                self._preempt([r for r in self.running if self._rank(r) == short][-1])
             plan = self._plan()
         return plan
 
@@ -373,10 +410,45 @@ class Scheduler:
                 request.finish_reason = "length"
             if request.finish_reason:
                 request.finished_at = now
-                self.engine.release(request.seq)
+                self._retire(request)
                 request.seq = None
                 self.running.remove(request)
         return made
+
+    # -- the prefix cache: finished sequences a later prompt may continue -----------------------------------------
+
+    def _retire(self, request: Request) -> None:
+        """A finished request's sequence: kept (prefix cache) with the tokens its cache holds — its prompt and
+        tokens up to its length, which counts a token a step launched ahead fed it — or released."""
+        seq = request.seq
+        if self.prefix_cache is None or request.prompt_logprobs or seq.length < 2:
+            self.engine.release(seq)
+            return
+        self.prefix_cache.append(((list(request.prompt) + list(request.tokens))[:seq.length], seq))
+
+    def _continued(self, request: Request) -> tuple[list[int], Sequence] | None:
+        """The kept sequence whose tokens the request's feed continues (the longest; at least one token left to
+        feed, which makes its next token), or None. Not for a request scoring its prompt."""
+        if not self.prefix_cache or request.prompt_logprobs:
+            return None
+        feed = request.feed
+        hits = [entry for entry in self.prefix_cache
+                if len(entry[0]) < len(feed) and feed[:len(entry[0])] == entry[0]]
+        return max(hits, key=lambda entry: len(entry[0]), default=None)
+
+    def _evict(self, rank: int, keep: Sequence | None = None) -> bool:
+        """Release the oldest kept sequence on `rank` (but `keep`); False when it keeps none."""
+        for index, (_, seq) in enumerate(self.prefix_cache or ()):
+            if self.engine.rank_of(seq) == rank and seq is not keep:
+                del self.prefix_cache[index]
+                self.engine.release(seq)
+                return True
+        return False
+
+    def kept(self) -> tuple[int, int]:
+        """(sequences, KV pages) the prefix cache holds."""
+        entries = self.prefix_cache or ()
+        return len(entries), sum(len(seq.pages) for _, seq in entries)
 
     def stream(self, requests: Iterable[Request] = ()) -> Iterator[tuple[Request, int]]:
         """Submit `requests` and step until every submitted request has finished, yielding tokens as they come."""

@@ -72,6 +72,12 @@ class Metrics:
                            registry=registry)
         self.shared_prompt_tokens = Gauge("qcompile_prompt_tokens_shared",
                                           "Prompt tokens those forks did not compute again, so far", registry=registry)
+        self.prefix_cached = Gauge("qcompile_prefix_cache_sequences",
+                                   "Finished sequences kept for a prompt that continues one", registry=registry)
+        self.prefix_hits = Gauge("qcompile_prefix_cache_hits", "Requests that continued a kept sequence, so far",
+                                 registry=registry)
+        self.prefix_hit_tokens = Gauge("qcompile_prefix_cache_hit_tokens",
+                                       "Prompt tokens those requests did not compute again, so far", registry=registry)
         self.requests = Counter("qcompile_requests_finished", "Finished choices by reason", ["finish_reason"],
                                 registry=registry)
         self.ttft = Histogram("qcompile_time_to_first_token_seconds", "Time to first token", buckets=latency,
@@ -91,6 +97,9 @@ class Metrics:
         self.preemptions.set(state.preemptions)
         self.forks.set(state.forks)
         self.shared_prompt_tokens.set(state.shared_prompt_tokens)
+        self.prefix_cached.set(state.prefix_cached)
+        self.prefix_hits.set(state.prefix_hits)
+        self.prefix_hit_tokens.set(state.prefix_hit_tokens)
         if state.tokens_made > self._counted:  # made by the engine, whether or not a client was still there
             self.generation_tokens.inc(state.tokens_made - self._counted)
             self._counted = state.tokens_made

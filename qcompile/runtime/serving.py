@@ -51,6 +51,9 @@ class LoopState:
     preemptions: int = 0  # requests preempted for pages (and recomputed) since the loop started
     forks: int = 0  # choices forked from their prompt's prefill (a request's n) since the loop started
     shared_prompt_tokens: int = 0  # prompt tokens those forks did not compute again
+    prefix_cached: int = 0  # finished sequences kept for a prompt that continues one (not in *_used above)
+    prefix_hits: int = 0  # requests that continued a kept sequence since the loop started
+    prefix_hit_tokens: int = 0  # prompt tokens those did not compute again
 
 
 class EngineLoop:
@@ -173,13 +176,17 @@ class EngineLoop:
         while self._made and self._made[0][0] < now - self.window:
             self._made.popleft()
         total_pages, total_slots = engine.sizes["P"], engine.cache_cfg.max_seqs
+        kept, kept_pages = self.scheduler.kept()  # held, but given back whenever a request needs them
         return LoopState(running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
-                         kv_pages_used=total_pages - sum(map(len, engine.free_pages_by_rank)),
+                         kv_pages_used=total_pages - sum(map(len, engine.free_pages_by_rank)) - kept_pages,
                          kv_pages_total=total_pages,
-                         slots_used=total_slots - sum(map(len, engine.free_slots_by_rank)), slots_total=total_slots,
+                         slots_used=total_slots - sum(map(len, engine.free_slots_by_rank)) - kept,
+                         slots_total=total_slots,
                          tokens_per_s=self.tokens_per_s(), step_seconds=self._last_step,
                          tokens_made=self._tokens_made, preemptions=self.scheduler.preemptions,
-                         forks=self.scheduler.forks, shared_prompt_tokens=self.scheduler.shared_prompt_tokens)
+                         forks=self.scheduler.forks, shared_prompt_tokens=self.scheduler.shared_prompt_tokens,
+                         prefix_cached=kept, prefix_hits=self.scheduler.prefix_hits,
+                         prefix_hit_tokens=self.scheduler.prefix_hit_tokens)
 
     def _report(self) -> None:
         if self.on_state is not None:
