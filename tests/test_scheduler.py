@@ -249,11 +249,21 @@ def test_a_prompt_that_continues_a_finished_sequence_continues_its_cache(model):
     assert scheduler.prefix_hits == 1 and scheduler.prefix_hit_tokens == len(first.prompt) + 4
     scratch = model.engine(CacheConfig(max_seqs=1, max_context=96, max_step_tokens=16))
     assert second.tokens == scratch.generate([follow], 4)["tokens"][0]
+    # a reply ended by a stop id, with a step launched ahead that fed it: the kept tokens include it, and a prompt
+    # continuing the reply still gets the tokens made from scratch
+    stop = scratch.generate([PROMPTS[2]], 6)["tokens"][0][3]
+    ended = Request(PROMPTS[2], 6, stop_ids=(stop,))
+    scheduler.run([ended])
+    assert ended.finish_reason == "stop" and ended.tokens[-1] == stop
+    after = ended.prompt + ended.tokens + [11]
+    third = Request(after, 3)
+    scheduler.run([third])
+    assert scheduler.prefix_hits == 2 and third.tokens == scratch.generate([after], 3)["tokens"][0]
     # two unrelated prompts need both slots: the kept sequence is released for them
     others = [Request(PROMPTS[0], 3), Request(PROMPTS[3], 3)]
     scheduler.run(others)
     assert [r.tokens for r in others] == [scratch.generate([r.prompt], 3)["tokens"][0] for r in others]
-    assert scheduler.prefix_hits == 1 and scheduler.kept()[0] == 2
+    assert scheduler.prefix_hits == 2 and scheduler.kept()[0] == 2
     while scheduler._evict(0):
         pass
     assert sorted(engine.free_slots) == [0, 1] and len(engine.free_pages) == engine.sizes["P"]
