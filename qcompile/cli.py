@@ -609,6 +609,10 @@ def init_tiny_cmd(directory, family, preset, seed, dtype, sparse, force):
 @click.option("--n", "choices", default=1, show_default=True, metavar="N",
               help="With --request-rate: each prompt asks for N choices (sample them: --temperature), measured sharing "
                    "the prompt's prefill (as serve does for a request's n) and each fed on its own.")
+@click.option("--turns", default=1, show_default=True, metavar="K",
+              help="With --request-rate: each prompt opens a conversation of K requests, each sent when the one "
+                   "before finishes with its prompt, reply and new tokens; measured with serve's prefix cache and "
+                   "without.")
 @click.option("--passes", "passes_spec", default=None, metavar="SPEC", help="Passes of the build (default all).")
 @click.option("--compare", multiple=True, type=click.Choice(["transformers"]),
               help="Also run Hugging Face transformers eager on the same checkpoint, prompts and threads.")
@@ -632,7 +636,7 @@ def init_tiny_cmd(directory, family, preset, seed, dtype, sparse, force):
               help="Lay the model out on a device mesh (8, 4x2, 2x4) with gqa-sharding; this host gets that many "
                    "CPU devices (simulated: they share its cores).")
 @_cluster_options
-def bench_cmd(source, url, workload, scale, input_len, output_len, concurrency, num_prompts, request_rate, choices,
+def bench_cmd(source, url, workload, scale, input_len, output_len, concurrency, num_prompts, request_rate, choices, turns,
               passes_spec, compare, ablate, dtype, max_step_tokens, verify, seed, temperature, top_k, top_p,
               memory_budget, json_path, plot_path, mesh_spec, coordinator, num_processes, process_id, join_timeout):
     """Measure prefill/decode throughput, latency and % of roofline of CHECKPOINT (or an artifact), or of a running
@@ -673,7 +677,7 @@ def bench_cmd(source, url, workload, scale, input_len, output_len, concurrency, 
                         concurrency=levels, num_prompts=num_prompts, passes=passes_spec, compare=tuple(compare),
                         ablate=ablate, json_path=json_path, plot_path=plot_path, seed=seed, dtype=dtype,
                         max_step_tokens=max_step_tokens, verify=verify, memory_budget=memory_budget,
-                        request_rate=request_rate, mesh=mesh, url=url, sampling=sampling, n=choices)
+                        request_rate=request_rate, mesh=mesh, url=url, sampling=sampling, n=choices, turns=turns)
     run_bench(opts, emit=click.echo if leader else lambda *args, **kwargs: None)
 
 

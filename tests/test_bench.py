@@ -226,6 +226,22 @@ def test_choices_per_prompt_are_measured_sharing_the_prefill_and_without(tiny):
             run_bench(BenchOptions(**{**attrs.asdict(opts, recurse=False), **changes}), emit=lambda line: None)
 
 
+def test_conversations_are_measured_with_the_prefix_cache_and_without(tiny):
+    """--turns 3: two conversations of three requests each, every later turn sent when the one before finishes (its
+    prompt: the last prompt, the reply, new tokens): one run with the prefix cache, one without; every turn makes
+    its tokens. --turns with --n, or without --request-rate, is refused."""
+    opts = BenchOptions(source=tiny, input_len=12, output_len=3, concurrency=(2,), num_prompts=2, request_rate=math.inf,
+                        verify="none", max_step_tokens=16, turns=3)
+    cached, uncached = run_bench(opts, emit=lambda line: None)["runs"]
+    assert (cached["engine"], uncached["engine"]) == ("qcompile", "qcompile-no-prefix-cache")
+    for run in (cached, uncached):
+        assert run["turns"] == 3 and run["requests"] == 6 and run["complete"]
+        assert run["output_tok_s"] * run["measured_seconds"]["duration"] == pytest.approx(6 * 3)
+    for changes in ({"request_rate": None}, {"n": 2}, {"turns": 0}):
+        with pytest.raises(UsageError, match="--turns|--n"):
+            run_bench(BenchOptions(**{**attrs.asdict(opts, recurse=False), **changes}), emit=lambda line: None)
+
+
 def test_arrivals_are_a_seeded_poisson_process():
     from qcompile.compiler.measure import arrival_times
 

@@ -126,8 +126,7 @@ def test_a_soak_with_cancellations_loses_nothing_and_leaks_nothing(model, alone,
     assert sum(r.preemptions for r in requests) > 0 and not scheduler.cancel(requests[0])
     assert len(forks) >= count // 40, len(forks)  # runs of one prompt forked
     assert scheduler.kept()[0] >= 1
-    while scheduler._evict(0):
-        pass
+    scheduler.release_kept()
     assert len(engine.free_slots) == 4 and len(engine.free_pages) == 5
     assert not scheduler.running and not scheduler.waiting
 
@@ -264,6 +263,5 @@ def test_a_prompt_that_continues_a_finished_sequence_continues_its_cache(model):
     scheduler.run(others)
     assert [r.tokens for r in others] == [scratch.generate([r.prompt], 3)["tokens"][0] for r in others]
     assert scheduler.prefix_hits == 2 and scheduler.kept()[0] == 2
-    while scheduler._evict(0):
-        pass
+    scheduler.release_kept()
     assert sorted(engine.free_slots) == [0, 1] and len(engine.free_pages) == engine.sizes["P"]

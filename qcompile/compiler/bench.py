@@ -22,8 +22,8 @@ import numpy as np
 import qcompile
 from qcompile.compiler.builds import Build, builds_from_checkpoint
 from qcompile.compiler.measure import (SCHEMA_VERSION, Roofline, bench_engine, bench_engine_rate, bench_transformers,
-                                       best_ceilings, load_transformers, log, make_prompts, measure_ceilings,
-                                       transformers_available, workload_shape)
+                                       best_ceilings, follow_up_len, load_transformers, log, make_prompts,
+                                       measure_ceilings, transformers_available, workload_shape)
 from qcompile.errors import UsageError
 from qcompile.ir.abi import CacheConfig
 from qcompile.ir.lowering import host_target
@@ -58,6 +58,7 @@ class BenchOptions:
     url: str | None = None  # measure the server there (compiler/bench_http.py) instead of a build in this process
     sampling: Sampling = GREEDY  # temperature / top-k / top-p of every request; request i draws with seed + i
     n: int = 1  # choices per prompt (scheduler only): measured sharing the prompt's prefill and without
+    turns: int = 1  # requests per conversation (scheduler only): measured with the prefix cache and without
 
 
 def sampling_note(sampling: Sampling) -> str:
@@ -105,9 +106,14 @@ def _check_outputs(opts: BenchOptions) -> None:
         raise UsageError(reason)
     if not 1 <= opts.n <= 64:
         raise UsageError(f"--n must be in 1..64, got {opts.n}")
-    if opts.n > 1 and (opts.request_rate is None or opts.url is not None):
-        raise UsageError("--n serves each prompt's choices through this process's scheduler: give --request-rate "
-                         "(inf: all at once), without --url")
+    if not 1 <= opts.turns <= 64:
+        raise UsageError(f"--turns must be in 1..64, got {opts.turns}")
+    for flag, value in (("--n", opts.n), ("--turns", opts.turns)):
+        if value > 1 and (opts.request_rate is None or opts.url is not None):
+            raise UsageError(f"{flag} serves through this process's scheduler: give --request-rate (inf: all at "
+                             "once), without --url")
+    if opts.n > 1 and opts.turns > 1:
+        raise UsageError("--n and --turns measure different things; give one of them")
     if opts.request_rate is not None:
         if not opts.request_rate > 0:
             raise UsageError(f"--request-rate must be positive (or inf), got {opts.request_rate}")
@@ -198,7 +204,8 @@ def run_bench(opts: BenchOptions, emit=print) -> dict:
             num = opts.num_prompts or concurrency
             prompts = make_prompts(num, input_len, vocab, opts.seed)
             ranks = opts.mesh.size if opts.mesh is not None else 1  # whole slots per data-parallel rank
-            cache = CacheConfig(max_seqs=-(-concurrency // ranks) * ranks, max_context=input_len + output_len,
+            context = input_len + opts.turns * output_len + (opts.turns - 1) * follow_up_len(input_len)
+            cache = CacheConfig(max_seqs=-(-concurrency // ranks) * ranks, max_context=context,
                                 max_step_tokens=opts.max_step_tokens)
             experts: dict = {}
             for build in builds:
@@ -207,13 +214,16 @@ def run_bench(opts: BenchOptions, emit=print) -> dict:
                 reset_peak()
                 engine = _engine(art if artifact else None, build, params, cache, target, opts.memory_budget)
                 roofline = Roofline(build.graph, engine.sizes, ceilings, dtype)
-                if opts.n > 1:  # the choices sharing each prompt's prefill, then fed on their own
+                if opts.n > 1 or opts.turns > 1:  # with the sharing (the prefix cache) and without, same build
+                    extra = {"n": opts.n} if opts.n > 1 else {"turns": opts.turns}
                     for share in (True, False):
-                        m = bench_engine_rate(engine, "qcompile" if share else "qcompile-unshared", build.label,
-                                              prompts, output_len, concurrency, opts.request_rate, opts.seed,
-                                              lambda: None, opts.sampling, opts.n, share)
+                        label = "qcompile" if share else \
+                            "qcompile-unshared" if opts.n > 1 else "qcompile-no-prefix-cache"
+                        m = bench_engine_rate(engine, label, build.label, prompts, output_len, concurrency,
+                                              opts.request_rate, opts.seed, lambda: None, opts.sampling, opts.n, share,
+                                              opts.turns, prefix_cache=share and opts.turns > 1)
                         if share:
-                            runs.append({**m.to_json(), "n": opts.n, "memory": engine.memory(build.graph)})
+                            runs.append({**m.to_json(), **extra, "memory": engine.memory(build.graph)})
                             measured.append(m)
                             _progress(runs[-1])
                 elif opts.request_rate is not None:
@@ -223,7 +233,8 @@ def run_bench(opts: BenchOptions, emit=print) -> dict:
                     m = bench_engine(engine, "qcompile", build.label, prompts, output_len, concurrency, roofline,
                                      build.graph, target, lambda: None, opts.sampling)
                 experts = experts or m.experts_touched
-                runs.append({**m.to_json(), **({"n": opts.n} if opts.n > 1 else {}), "memory": engine.memory(build.graph)})
+                runs.append({**m.to_json(), **({"n": opts.n} if opts.n > 1 else {}),
+                             **({"turns": opts.turns} if opts.turns > 1 else {}), "memory": engine.memory(build.graph)})
                 measured.append(m)
                 _progress(runs[-1])
                 del engine

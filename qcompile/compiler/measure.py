@@ -316,15 +316,24 @@ def arrival_times(num: int, rate: float, seed: int) -> list[float]:
     return np.cumsum(gaps).tolist()
 
 
+def follow_up_len(input_len: int) -> int:
+    """New tokens a later turn of a conversation adds after the reply (`bench --turns`): an eighth of the first
+    prompt, at least 8."""
+    return max(8, input_len // 8)
+
+
 def bench_engine_rate(engine, label: str, passes: str, prompts: list[list[int]], output_len: int, concurrency: int,
                       rate: float, seed: int, stop, sampling: Sampling = GREEDY, n: int = 1,
-                      share: bool = True) -> Measurement:
+                      share: bool = True, turns: int = 1, prefix_cache: bool = False) -> Measurement:
     """Serve `prompts` as requests arriving at `rate` per second (Poisson, seeded) through the continuous-batching
     scheduler (runtime/scheduler.py): at most `concurrency` run at once, the others wait; each request's TTFT runs
     from its arrival. Every token bucket is compiled first (untimed), so no compile lands inside the run. Steps mix
     prefill chunks and decode tokens, so prefill and decode tok/s are not separable here (reported as null).
     `n`: each prompt arrives as n requests (choice j of prompt i draws with seed + n·i + j), the later ones sharing
-    the first's prefill (`share`, as `serve` does for a request's n) or fed on their own."""
+    the first's prefill (`share`, as `serve` does for a request's n) or fed on their own.
+    `turns`: each prompt opens a conversation of that many requests, each sent when the one before finishes, its
+    prompt the one before's, its reply and follow_up_len new (seeded random) tokens — served with the scheduler's
+    prefix cache on (`prefix_cache`, as `serve` runs) or off."""
     from qcompile.runtime.scheduler import Request, Scheduler
 
     m = Measurement(label, passes, concurrency, len(prompts[0]), output_len)
@@ -332,13 +341,16 @@ def bench_engine_rate(engine, label: str, passes: str, prompts: list[list[int]],
     engine.compile_all_buckets(sampling=not sampling.greedy)
     m.warmup_seconds = time.perf_counter() - warm_started
     arrivals = [at for at in arrival_times(len(prompts), rate, seed) for _ in range(n)]
-    requests = [Request(list(p), output_len, id=n * i + j, sampling=request_sampling(sampling, n * i + j))
-                for i, p in enumerate(prompts) for j in range(n)]
+    requests = [Request(list(p), output_len, id=(n * i + j) * turns, sampling=request_sampling(sampling, n * i + j))
+                for i, p in enumerate(prompts) for j in range(n)]  # request id: conversation · turns + turn
     if share:
         for index, request in enumerate(requests):
             request.parent = requests[index - index % n] if index % n else None
-    token_times: dict[int, list[float]] = {i: [] for i in range(len(requests))}
-    scheduler = Scheduler(engine)
+    scheduler = Scheduler(engine, prefix_cache=prefix_cache)
+    follow = np.random.default_rng(seed + 1)  # a later turn's new tokens: drawn from its conversation's first prompt
+    later: list = []  # later turns, made as the turns before them finish
+    token_times: dict[int, list[float]] = {}
+    arrived: dict[int, float] = {}
     start = time.perf_counter()
     submitted = 0
     try:
@@ -347,22 +359,32 @@ def bench_engine_rate(engine, label: str, passes: str, prompts: list[list[int]],
                 now = time.perf_counter() - start
                 while submitted < len(requests) and arrivals[submitted] <= now:
                     scheduler.submit(requests[submitted])
+                    arrived[requests[submitted].id] = start + arrivals[submitted]
                     submitted += 1
                 if not scheduler.waiting and not scheduler.running:
                     time.sleep(max(0.0, min(arrivals[submitted] - now, 1.0)))
                     continue
                 for request, _ in scheduler.step():
-                    token_times[request.id].append(time.perf_counter())
+                    token_times.setdefault(request.id, []).append(time.perf_counter())
+                    if request.finish_reason == "length" and request.id % turns < turns - 1:
+                        first = prompts[request.id // turns]
+                        new = follow.choice(first, follow_up_len(len(first))).tolist()
+                        turn = Request(request.prompt + request.tokens + new, output_len, id=request.id + 1,
+                                       sampling=request_sampling(sampling, len(prompts) + request.id))
+                        scheduler.submit(turn)
+                        arrived[turn.id] = time.perf_counter()
+                        later.append(turn)
                 stop()
     except KeyboardInterrupt:
         m.complete = False
         raise
     finally:
         m.duration = time.perf_counter() - start
-        for request, times in zip(requests, token_times.values()):
-            if request.finish_reason is not None:
-                arrived = start + arrivals[request.id]
-                m.request(times[0] - arrived, times, arrived)
+        scheduler.release_kept()  # the engine serves the next run with every slot and page
+        for request in [*requests, *later]:
+            times = token_times.get(request.id)
+            if request.finish_reason is not None and times:
+                m.request(times[0] - arrived[request.id], times, arrived[request.id])
     return m
 
 

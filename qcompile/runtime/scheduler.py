@@ -445,6 +445,11 @@ class Scheduler:
                 return True
         return False
 
+    def release_kept(self) -> None:
+        """Release every kept sequence (the engine's slots and pages all free again once nothing runs)."""
+        while self.prefix_cache:
+            self.engine.release(self.prefix_cache.pop()[1])
+
     def kept(self) -> tuple[int, int]:
         """(sequences, KV pages) the prefix cache holds."""
         entries = self.prefix_cache or ()
