@@ -214,29 +214,24 @@ def run_bench(opts: BenchOptions, emit=print) -> dict:
                 reset_peak()
                 engine = _engine(art if artifact else None, build, params, cache, target, opts.memory_budget)
                 roofline = Roofline(build.graph, engine.sizes, ceilings, dtype)
-                if opts.n > 1 or opts.turns > 1:  # with the sharing (the prefix cache) and without, same build
-                    extra = {"n": opts.n} if opts.n > 1 else {"turns": opts.turns}
-                    for share in (True, False):
-                        label = "qcompile" if share else \
-                            "qcompile-unshared" if opts.n > 1 else "qcompile-no-prefix-cache"
-                        m = bench_engine_rate(engine, label, build.label, prompts, output_len, concurrency,
-                                              opts.request_rate, opts.seed, lambda: None, opts.sampling, opts.n, share,
-                                              opts.turns, prefix_cache=share and opts.turns > 1)
-                        if share:
-                            runs.append({**m.to_json(), **extra, "memory": engine.memory(build.graph)})
-                            measured.append(m)
-                            _progress(runs[-1])
+                if opts.n > 1 or opts.turns > 1:  # with the sharing (the prefix cache), then without, same build
+                    off = "qcompile-unshared" if opts.n > 1 else "qcompile-no-prefix-cache"
+                    done = [bench_engine_rate(engine, "qcompile" if share else off, build.label, prompts, output_len,
+                                              concurrency, opts.request_rate, opts.seed, lambda: None, opts.sampling,
+                                              opts.n, share, opts.turns, prefix_cache=share and opts.turns > 1)
+                            for share in (True, False)]
                 elif opts.request_rate is not None:
-                    m = bench_engine_rate(engine, "qcompile", build.label, prompts, output_len, concurrency,
-                                          opts.request_rate, opts.seed, lambda: None, opts.sampling)
+                    done = [bench_engine_rate(engine, "qcompile", build.label, prompts, output_len, concurrency,
+                                              opts.request_rate, opts.seed, lambda: None, opts.sampling)]
                 else:
-                    m = bench_engine(engine, "qcompile", build.label, prompts, output_len, concurrency, roofline,
-                                     build.graph, target, lambda: None, opts.sampling)
-                experts = experts or m.experts_touched
-                runs.append({**m.to_json(), **({"n": opts.n} if opts.n > 1 else {}),
-                             **({"turns": opts.turns} if opts.turns > 1 else {}), "memory": engine.memory(build.graph)})
-                measured.append(m)
-                _progress(runs[-1])
+                    done = [bench_engine(engine, "qcompile", build.label, prompts, output_len, concurrency, roofline,
+                                         build.graph, target, lambda: None, opts.sampling)]
+                extra = {key: value for key, value in (("n", opts.n), ("turns", opts.turns)) if value > 1}
+                for m in done:
+                    experts = experts or m.experts_touched
+                    runs.append({**m.to_json(), **extra, "memory": engine.memory(build.graph)})
+                    measured.append(m)
+                    _progress(runs[-1])
                 del engine
             if "transformers" in opts.compare:
                 log(f"transformers eager at concurrency {concurrency}")

@@ -73,6 +73,9 @@ class ItemLogprobs:
     next: TokenLogprob | None = None
 
 
+NOTHING_SCORED = ItemLogprobs()  # (frozen: one instance serves every unscored item)
+
+
 class LaunchedStep:
     """A step dispatched to the device (`Engine.launch_tokens`) whose next tokens may not be back yet: `tokens()`
     waits for them and reads them, once; `token(i)` names work item i's token without reading it, for the next step
@@ -90,7 +93,7 @@ class LaunchedStep:
         """Per work item, the log-probabilities the step was asked for (empty ones where none were)."""
         if self._logprobs is None:
             if self._scored is None:
-                self._logprobs = [ItemLogprobs() for _ in self.rows]
+                self._logprobs = [NOTHING_SCORED] * len(self.rows)
                 return self._logprobs
             arrays, layout = self._scored
             chosen, top_logprob, top_id, targets = (to_host(a) for a in arrays)
@@ -428,11 +431,11 @@ class Engine:
         A request's n choices share one prefill this way (runtime/scheduler.py)."""
         rank = self.rank_of(source)
         need = math.ceil(source.length / self.page_size)
-        slots, free = self.free_slots_by_rank[rank], self.free_pages_by_rank[rank]
-        if not slots or need > len(free):
+        if not self.free_slots_by_rank[rank] or need > len(self.free_pages_by_rank[rank]):
             return None
-        seq = Sequence(slots.pop(0), free[:need], source.length)
-        del free[:need]
+        seq = Sequence(self.free_slots_by_rank[rank].pop(0))
+        self._reserve(seq, source.length)
+        seq.length = source.length
         if need:
             width = 1 << (need - 1).bit_length()  # one program per power of two of pages
             src, dst = source.pages[:need], list(seq.pages)
