@@ -613,6 +613,9 @@ def init_tiny_cmd(directory, family, preset, seed, dtype, sparse, force):
               help="With --request-rate: each prompt opens a conversation of K requests, each sent when the one "
                    "before finishes with its prompt, reply and new tokens; measured with serve's prefix cache and "
                    "without.")
+@click.option("--shared-prefix-len", "shared_prefix", default=0, show_default=True, metavar="P",
+              help="With --request-rate: every prompt starts with the same P of its --input-len tokens (a system "
+                   "prompt); measured with serve's prefix cache (which snapshots the shared prefix) and without.")
 @click.option("--passes", "passes_spec", default=None, metavar="SPEC", help="Passes of the build (default all).")
 @click.option("--compare", multiple=True, type=click.Choice(["transformers"]),
               help="Also run Hugging Face transformers eager on the same checkpoint, prompts and threads.")
@@ -637,7 +640,7 @@ def init_tiny_cmd(directory, family, preset, seed, dtype, sparse, force):
                    "CPU devices (simulated: they share its cores).")
 @_cluster_options
 def bench_cmd(source, url, workload, scale, input_len, output_len, concurrency, num_prompts, request_rate, choices, turns,
-              passes_spec, compare, ablate, dtype, max_step_tokens, verify, seed, temperature, top_k, top_p,
+              shared_prefix, passes_spec, compare, ablate, dtype, max_step_tokens, verify, seed, temperature, top_k, top_p,
               memory_budget, json_path, plot_path, mesh_spec, coordinator, num_processes, process_id, join_timeout):
     """Measure prefill/decode throughput, latency and % of roofline of CHECKPOINT (or an artifact), or of a running
     server with --url."""
@@ -677,8 +680,19 @@ def bench_cmd(source, url, workload, scale, input_len, output_len, concurrency, 
                         concurrency=levels, num_prompts=num_prompts, passes=passes_spec, compare=tuple(compare),
                         ablate=ablate, json_path=json_path, plot_path=plot_path, seed=seed, dtype=dtype,
                         max_step_tokens=max_step_tokens, verify=verify, memory_budget=memory_budget,
-                        request_rate=request_rate, mesh=mesh, url=url, sampling=sampling, n=choices, turns=turns)
+                        request_rate=request_rate, mesh=mesh, url=url, sampling=sampling, n=choices, turns=turns,
+                        shared_prefix=shared_prefix)
     run_bench(opts, emit=click.echo if leader else lambda *args, **kwargs: None)
+
+
+def _artifact_request_slots(slots: int, prefix_slots: int, ranks: int) -> int:
+    """The slots of an artifact's engine that requests may take when `prefix_slots` of them are the prefix cache's
+    (serve --prefix-slots); a usage error when that leaves none, or a number the ranks cannot split."""
+    requests = slots - prefix_slots
+    if requests < 1 or requests % ranks:
+        raise UsageError(f"--prefix-slots {prefix_slots} must leave a positive multiple of the artifact's {ranks} "
+                         f"data-parallel rank{'s' * (ranks != 1)} of its {slots} slots for requests")
+    return requests
 
 
 @cli.command("serve", context_settings=CONTEXT)
@@ -707,7 +721,13 @@ def bench_cmd(source, url, workload, scale, input_len, output_len, concurrency, 
 @click.option("--no-warmup", is_flag=True, help="Compile each shape bucket on first use instead of before serving.")
 @click.option("--prefix-cache/--no-prefix-cache", default=True, show_default=True,
               help="Keep finished sequences (slot and KV pages, released whenever a request needs them) so that a "
-                   "prompt continuing one — the next turn of a conversation — feeds only its new tokens.")
+                   "prompt continuing one — the next turn of a conversation — feeds only its new tokens, and "
+                   "snapshots of the prefixes prompts share (a system prompt) that later prompts start from.")
+@click.option("--prefix-slots", type=click.IntRange(min=0), metavar="N",
+              help="Sequence slots beyond --max-seqs that only the prefix cache uses, so a shared prefix's snapshot "
+                   "survives a full batch (each holds one sequence's GDN state) [default: 1 with the prefix cache, "
+                   "rounded up to a multiple of the data-parallel ranks; an artifact: 0, and N are taken out of its "
+                   "slots].")
 @click.option("--mesh", "mesh_spec", metavar="SPEC",
               help="Lay the model out on a device mesh (8, 4x2) with gqa-sharding (checkpoint only).")
 @click.option("--chat-template", "chat_template_path", type=click.Path(path_type=Path), metavar="FILE",
@@ -724,8 +744,8 @@ def bench_cmd(source, url, workload, scale, input_len, output_len, concurrency, 
                    "message.tool_calls: hermes reads <tool_call>{JSON}</tool_call> (Qwen3, Qwen3-Next), qwen3_coder "
                    "<tool_call><function=NAME><parameter=K>...</tool_call> (Qwen3.5, Qwen3-Coder).")
 def serve_cmd(source, host, port, served_model_name, passes_spec, dtype, max_seqs, max_context, num_pages,
-              max_step_tokens, memory_budget, verify, no_warmup, prefix_cache, mesh_spec, chat_template_path, reasoning_parser,
-              enable_auto_tool_choice, tool_call_parser):
+              max_step_tokens, memory_budget, verify, no_warmup, prefix_cache, prefix_slots, mesh_spec, chat_template_path,
+              reasoning_parser, enable_auto_tool_choice, tool_call_parser):
     """Serve CHECKPOINT (or an artifact) over HTTP with OpenAI's completions and chat APIs (docs/serving.md).
 
     \b
@@ -757,6 +777,8 @@ def serve_cmd(source, host, port, served_model_name, passes_spec, dtype, max_seq
     from qcompile.runtime.serving import EngineLoop
 
     artifact = is_artifact(source)
+    if prefix_slots and not prefix_cache:
+        raise UsageError("--prefix-slots are the prefix cache's: drop --no-prefix-cache, or --prefix-slots")
     if artifact:
         given = [flag for flag, value in (("--passes", passes_spec), ("--dtype", dtype), ("--max-seqs", max_seqs),
                                           ("--max-context", max_context), ("--num-pages", num_pages),
@@ -781,6 +803,7 @@ def serve_cmd(source, host, port, served_model_name, passes_spec, dtype, max_seq
                 click.echo(art.weights_note, err=True)
             engine = art.engine(memory_budget)
             eos_ids, vocab = tuple(art.config_json.get("eos_token_ids") or ()), int(art.config_json["vocab_size"])
+            requests = _artifact_request_slots(engine.cache_cfg.max_seqs, prefix_slots or 0, engine.ranks)
         else:
             from qcompile.compiler.builds import builds_from_checkpoint
 
@@ -790,11 +813,14 @@ def serve_cmd(source, host, port, served_model_name, passes_spec, dtype, max_seq
                 click.echo(f"qcompile: note: --max-seqs {slots} rounded up to {padded}, a multiple of the "
                            f"{mesh.size} devices, so every data-parallel rank gets whole sequence slots", err=True)
                 slots, num_pages = padded, num_pages and -(-num_pages // mesh.size) * mesh.size
-            cache = CacheConfig(max_seqs=slots, max_context=max_context or 2048, num_pages=num_pages,
+            ranks = mesh.size if mesh is not None else 1
+            extra = (1 if prefix_cache else 0) if prefix_slots is None else prefix_slots
+            requests, extra = slots, -(-extra // ranks) * ranks  # every rank keeps as many
+            cache = CacheConfig(max_seqs=slots + extra, max_context=max_context or 2048, num_pages=num_pages,
                                 max_step_tokens=max_step_tokens or 256)
             ckpt, _, builds, target = builds_from_checkpoint(
                 source, [passes_spec if passes_spec is not None else "all"], dtype=dtype, mesh=mesh, verify=verify,
-                options=(("concurrency", cache.max_seqs), ("max_context", cache.max_context)),
+                options=(("concurrency", requests), ("max_context", cache.max_context)),
                 emit=lambda line: click.echo(line, err=True),
                 progress=lambda line: click.echo(f"qcompile: {line}", err=True))
             ckpt.warn_unknown()
@@ -824,15 +850,16 @@ def serve_cmd(source, host, port, served_model_name, passes_spec, dtype, max_seq
         name = served_model_name or Path(source).resolve().name
         info = ModelInfo(name=name, vocab_size=vocab, max_context=engine.cache_cfg.max_context, eos_ids=eos_ids)
         metrics = Metrics()
-        loop = EngineLoop(Scheduler(engine, prefix_cache=prefix_cache), metrics.on_state)
+        loop = EngineLoop(Scheduler(engine, prefix_cache=prefix_cache, max_running=requests), metrics.on_state)
         metrics.on_state(loop.state())
         loop.start()
         app = create_app(loop, info, tokenizer, metrics, chat_template, reasoning_parser, tool_call_parser)
         bound = sock.getsockname()
         shown = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
-        click.echo(f"qcompile: serving {name} on http://{shown}:{bound[1]} ({engine.cache_cfg.max_seqs} sequences "
-                   f"x {engine.cache_cfg.max_context} tokens, {engine.sizes['P']} KV pages of {engine.page_size}); "
-                   "Ctrl-C stops", err=True)
+        kept = engine.cache_cfg.max_seqs - requests
+        click.echo(f"qcompile: serving {name} on http://{shown}:{bound[1]} ({requests} sequences "
+                   f"x {engine.cache_cfg.max_context} tokens, {engine.sizes['P']} KV pages of {engine.page_size}"
+                   f"{f', {kept} prefix-cache slot' + 's' * (kept != 1) if kept else ''}); Ctrl-C stops", err=True)
         try:
             with frozen_heap():  # the loaded model's objects out of the garbage collector's walks (runtime/memory.py)
                 uvicorn_server(app, sock, on_exit=loop.request_stop).run(sockets=[sock])

@@ -242,6 +242,27 @@ def test_conversations_are_measured_with_the_prefix_cache_and_without(tiny):
             run_bench(BenchOptions(**{**attrs.asdict(opts, recurse=False), **changes}), emit=lambda line: None)
 
 
+def test_prompts_sharing_a_prefix_are_measured_with_the_prefix_cache_and_without(tiny):
+    """--shared-prefix-len 40: five prompts of 48 tokens that start with the same 40, two at a time (and a prefix-cache
+    slot beside them): with the prefix cache the second prompt snapshots the prefix's two whole 16-token pages and
+    the three later ones start from it (reported in the run); without it each is fed whole; every request makes
+    its tokens. A shared prefix as long as the prompt, or with --n, is refused."""
+    opts = BenchOptions(source=tiny, input_len=48, output_len=3, concurrency=(2,), num_prompts=5,
+                        request_rate=math.inf, verify="none", max_step_tokens=16, shared_prefix=40)
+    result = run_bench(opts, emit=lambda line: None)
+    cached, uncached = result["runs"]
+    assert "every prompt starting with the same 40 tokens" in result["shape"]
+    assert (cached["engine"], uncached["engine"]) == ("qcompile", "qcompile-no-prefix-cache")
+    assert cached["prefix_cache"]["snapshots"] == 1 and "prefix_cache" not in uncached
+    assert cached["prefix_cache"]["hits"] >= 2 and cached["prefix_cache"]["hit_tokens"] == 32 * cached["prefix_cache"]["hits"]
+    for run in (cached, uncached):
+        assert run["shared_prefix_len"] == 40 and run["requests"] == 5 and run["complete"]
+        assert run["output_tok_s"] * run["measured_seconds"]["duration"] == pytest.approx(5 * 3)
+    for changes in ({"shared_prefix": 48}, {"n": 2}, {"request_rate": None}):
+        with pytest.raises(UsageError, match="--shared-prefix-len|--n"):
+            run_bench(BenchOptions(**{**attrs.asdict(opts, recurse=False), **changes}), emit=lambda line: None)
+
+
 def test_arrivals_are_a_seeded_poisson_process():
     from qcompile.compiler.measure import arrival_times
 

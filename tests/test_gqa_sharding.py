@@ -208,6 +208,18 @@ def test_the_engine_and_the_scheduler_on_data_parallel_ranks_give_the_single_dev
     Scheduler(tight).run(pairs)
     assert [r.tokens for r in pairs] == [t for t in single["tokens"][:3] for _ in range(2)]
     assert len(forks) == 2 and len(tight.free_slots) == 16 and len(tight.free_pages) == 16
+    # the prefix cache on ranks: one request and one kept slot per rank; prompts sharing a 16-token page, one at a
+    # time: the second snapshots it on its rank (a copy within that rank's slots and pages), later ones copy it there
+    roomy = Engine(laid_out, prepared, CacheConfig(max_seqs=16, max_context=48, max_step_tokens=16, num_pages=32))
+    scheduler = Scheduler(roomy, prefix_cache=True, max_running=8)
+    shared = [Request(prompts[2][:16] + [k], 4) for k in (1, 2, 3, 4)]
+    for request in shared:
+        scheduler.run([request])
+    alone = Engine(folded, prepared, cache).generate([r.prompt for r in shared], 4)["tokens"]
+    assert [r.tokens for r in shared] == alone
+    assert scheduler.snapshots == 1 and scheduler.prefix_hits == 2 and scheduler.prefix_hit_tokens == 32
+    scheduler.release_kept()
+    assert len(roomy.free_slots) == 16 and len(roomy.free_pages) == 32
 
 
 def test_rank_local_packing():

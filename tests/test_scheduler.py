@@ -83,10 +83,11 @@ def test_what_can_never_be_served_is_refused_when_submitted(model):
 
 @pytest.mark.parametrize("count", [pytest.param(40, id="40"), pytest.param(2000, id="2000", marks=pytest.mark.slow)])
 def test_a_soak_with_cancellations_loses_nothing_and_leaks_nothing(model, alone, count):
-    """Short requests over 5 prompts (each prompt's alone-tokens known; 40 in the default suite, 2000 in the slow
-    tier), 4 slots and a pool of 5 pages, so requests queue and get preempted; a run of one prompt is linked as a
-    request's choices (forked from the first's prefill, when they fit); finished sequences are kept (prefix cache)
-    and released as later requests need the room; a third are cancelled — some while
+    """Short requests over 6 prompts (each prompt's alone-tokens known; 40 in the default suite, 2000 in the slow
+    tier), 4 slots (3 for requests) and a pool of 5 pages, so requests queue and get preempted; a run of one prompt is
+    linked as a request's choices (forked from the first's prefill, when they fit); finished sequences and a shared
+    first page's snapshots are kept (prefix cache) and released as later requests need the room; a third are
+    cancelled — some while
     waiting, some mid-stream. Every request ends (length or cancelled, none lost), each uncancelled one made exactly
     its alone tokens (a cancelled one a prefix of them), and the slots and pages are all free again."""
     import numpy as np
@@ -94,13 +95,16 @@ def test_a_soak_with_cancellations_loses_nothing_and_leaks_nothing(model, alone,
     # a fifth prompt that starts in one page and grows into a second while it decodes: the first four requests are
     # it, so four running requests need four new pages with one free, and preemption is certain
     growing = [(5 * i + 40) % 500 + 3 for i in range(15)]
-    prompts, new = [*PROMPTS, growing], [*NEW, 6]
-    alone = [*alone, model.engine(CacheConfig(max_seqs=1, max_context=64, max_step_tokens=16)).generate(
-        [growing], 6)["tokens"][0]]
+    sharing = PROMPTS[1][:16] + [9, 8, 7, 6]  # PROMPTS[1]'s first page: a prefix that gets snapshotted
+    prompts, new = [*PROMPTS, growing, sharing], [*NEW, 6, 4]
+    single = model.engine(CacheConfig(max_seqs=1, max_context=64, max_step_tokens=16))
+    alone = [*alone, *(single.generate([p], n)["tokens"][0] for p, n in ((growing, 6), (sharing, 4)))]
     engine = model.engine(CacheConfig(max_seqs=4, max_context=64, max_step_tokens=16, num_pages=5))
     forks, fork = [], engine.fork
     engine.fork = lambda source: forks.append(source.slot) or fork(source)
-    scheduler = Scheduler(engine, prefix_cache=True)  # finished sequences kept, then released for later requests
+    # finished sequences and snapshots kept, then released for later requests; three requests run at most, the
+    # fourth slot is the prefix cache's
+    scheduler = Scheduler(engine, prefix_cache=True, max_running=3)
     rng = np.random.default_rng(11)
     picks = np.concatenate([[4] * 4, rng.integers(0, len(prompts), count - 4)])
     requests = [Request(prompts[k], new[k], id=i) for i, k in enumerate(picks)]
@@ -114,7 +118,7 @@ def test_a_soak_with_cancellations_loses_nothing_and_leaks_nothing(model, alone,
     for request in early:
         assert scheduler.cancel(request)
     for steps, (request, _) in enumerate(scheduler.stream(), 1):
-        assert steps < 100 * count
+        assert steps < 100 * count and len(scheduler.running) <= 3
         if request.id in doomed and request.finish_reason is None:
             assert scheduler.cancel(request)  # mid-stream, after its first token
     assert all(r.finish_reason in ("length", "cancelled") for r in requests)
@@ -125,6 +129,7 @@ def test_a_soak_with_cancellations_loses_nothing_and_leaks_nothing(model, alone,
     assert all(len(r.tokens) == 1 for r in requests if r.id in doomed and not r.id % 2 and r.tokens)
     assert sum(r.preemptions for r in requests) > 0 and not scheduler.cancel(requests[0])
     assert len(forks) >= count // 40, len(forks)  # runs of one prompt forked
+    assert scheduler.snapshots >= 1 and scheduler.prefix_hits >= count // 40
     assert scheduler.kept()[0] >= 1
     scheduler.release_kept()
     assert len(engine.free_slots) == 4 and len(engine.free_pages) == 5
@@ -265,3 +270,61 @@ def test_a_prompt_that_continues_a_finished_sequence_continues_its_cache(model):
     assert scheduler.prefix_hits == 2 and scheduler.kept()[0] == 2
     scheduler.release_kept()
     assert sorted(engine.free_slots) == [0, 1] and len(engine.free_pages) == engine.sizes["P"]
+
+
+SHARED = [(11 * i + 4) % 480 + 7 for i in range(40)]  # a 40-token prefix (two whole 16-token pages) prompts share
+
+
+def test_prompts_sharing_a_prefix_start_from_its_snapshot(model):
+    """The prefix cache's snapshots: the first prompt with a prefix is fed whole; the second finds the prefix's whole
+    pages seen before, stops its prefill at their end (32 tokens) and leaves a copy there; every later prompt that
+    starts with them gets a copy of the snapshot (which stays) and feeds only its own tokens. Each makes the tokens
+    it makes from scratch. With max_running below the slots, the snapshot keeps its slot while the requests fill
+    theirs; a prompt that shares less than a page neither hits nor snapshots."""
+    engine = model.engine(CacheConfig(max_seqs=3, max_context=96, max_step_tokens=16))
+    fed = _fed_tokens(engine)
+    scheduler = Scheduler(engine, prefix_cache=True, max_running=2)
+    scratch = model.engine(CacheConfig(max_seqs=1, max_context=96, max_step_tokens=16))
+    tails = [[5, 6, 7], [300, 2, 9, 9, 1, 4], [8], [70, 71], [44, 45, 46, 47]]
+    requests = [Request(SHARED + tail, 3, id=i) for i, tail in enumerate(tails)]
+    for request in requests[:2]:
+        scheduler.run([request])
+    assert scheduler.snapshots == 1 and scheduler.prefix_hits == 0  # the second one made it
+    assert [(len(k.tokens), k.shared) for k in scheduler.prefix_cache] == [(len(requests[0].prompt) + 2, False),
+                                                                           (32, True), (len(requests[1].prompt) + 2, False)]
+    before = sum(fed)
+    scheduler.run([requests[2]])
+    assert sum(fed) - before == 40 + 1 - 32 + 2  # from the snapshot: its own 9 tokens, then two decode tokens
+    assert scheduler.prefix_hits == 1 and scheduler.prefix_hit_tokens == 32
+    # its slot came from the least recently used kept sequence (the first prompt's), and the snapshot it used is
+    # now more recently used than the second prompt's sequence
+    assert [(len(k.tokens), k.shared) for k in scheduler.prefix_cache] == [(len(requests[1].prompt) + 2, False),
+                                                                           (32, True), (len(requests[2].prompt) + 2, False)]
+    # two at once, every request slot taken: both copy the snapshot, which keeps the third slot
+    scheduler.run(requests[3:])
+    assert scheduler.prefix_hits == 3 and scheduler.snapshots == 1
+    assert any(k.shared for k in scheduler.prefix_cache)
+    for request in requests:
+        assert request.tokens == scratch.generate([request.prompt], 3)["tokens"][0], request.id
+    # a prompt sharing only 8 tokens: fed whole, no snapshot
+    other = Request(SHARED[:8] + [1] * 30, 3)
+    scheduler.run([other])
+    assert scheduler.prefix_hits == 3 and scheduler.snapshots == 1
+    assert other.tokens == scratch.generate([other.prompt], 3)["tokens"][0]
+    scheduler.release_kept()
+    assert sorted(engine.free_slots) == [0, 1, 2] and len(engine.free_pages) == engine.sizes["P"]
+
+
+def test_max_running_leaves_slots_only_kept_sequences_use(model):
+    """Requests run at most max_running at once however many slots the engine has; a max_running the ranks cannot
+    split, or above the slots, is refused."""
+    engine = model.engine(CacheConfig(max_seqs=3, max_context=64, max_step_tokens=8))
+    scheduler = Scheduler(engine, prefix_cache=True, max_running=1)
+    requests = [Request(p, n) for p, n in zip(PROMPTS, NEW)]
+    for _ in scheduler.stream(requests):
+        assert len(scheduler.running) <= 1
+    assert all(r.finish_reason == "length" for r in requests)
+    scheduler.release_kept()
+    for bad in (0, 4):
+        with pytest.raises(UsageError, match="max_running"):
+            Scheduler(engine, max_running=bad)

@@ -220,6 +220,32 @@ def test_a_prompt_continuing_a_finished_reply_feeds_only_its_new_tokens(server, 
     server.wait_pool_full()  # kept sequences are not counted as used
 
 
+def test_prompts_sharing_a_prefix_start_from_its_snapshot(server, model):
+    """Three requests whose prompts share 20 tokens (a 16-token page) and differ after: the second snapshots the
+    page, the third starts from a copy of it (one hit of 16 tokens) and gets the tokens made from scratch."""
+    prefix = [(13 * i + 101) % 400 + 3 for i in range(20)]  # no other test sends these
+    snapshots, hits = _metric(server, "qcompile_prefix_cache_snapshots"), _metric(server, "qcompile_prefix_cache_hits")
+    tokens = _metric(server, "qcompile_prefix_cache_hit_tokens")
+    scratch = model.engine(CacheConfig(max_seqs=1, max_context=48, max_step_tokens=8))
+    for tail in ([1, 2], [3], [4, 5, 6]):
+        got = httpx.post(server.url + "/v1/completions", json={"prompt": prefix + tail, "max_tokens": 3,
+                                                               "temperature": 0}, timeout=60).json()
+        assert got["choices"][0]["token_ids"] == scratch.generate([prefix + tail], 3)["tokens"][0]
+    assert _metric(server, "qcompile_prefix_cache_snapshots") == snapshots + 1
+    assert _metric(server, "qcompile_prefix_cache_hits") == hits + 1
+    assert _metric(server, "qcompile_prefix_cache_hit_tokens") == tokens + 16
+    server.wait_pool_full()  # kept sequences are not counted as used
+
+
+def test_an_artifacts_prefix_slots_come_out_of_its_slots():
+    from qcompile.cli import _artifact_request_slots
+
+    assert _artifact_request_slots(8, 0, 1) == 8 and _artifact_request_slots(8, 2, 2) == 6
+    for slots, prefix, ranks in ((8, 8, 1), (8, 1, 2)):
+        with pytest.raises(UsageError, match="--prefix-slots"):
+            _artifact_request_slots(slots, prefix, ranks)
+
+
 def _generated(server) -> float:
     return _metric(server, "qcompile_generation_tokens_total")
 
@@ -787,11 +813,15 @@ def test_the_serve_command_starts_answers_and_stops_on_ctrl_c(model, tmp_path):
                                                               "max_tokens": 2, "logprobs": True}, timeout=120).json()
         assert chat["choices"][0]["message"]["role"] == "assistant" and len(chat["choices"][0]["token_ids"]) == 2
         assert len(chat["choices"][0]["logprobs"]["content"]) == 2
+        assert "2 sequences x 32 tokens" in "".join(seen) and "1 prefix-cache slot)" in "".join(seen)
         port = int(url.rsplit(":", 1)[1])
         taken = subprocess.run([*command[:5], "--port", str(port)], capture_output=True, text=True, env=env,
                                timeout=120)
         assert taken.returncode == 2 and "pick another --port" in taken.stderr
         assert len(taken.stderr.strip().splitlines()) == 1
+        slots = subprocess.run([*command[:5], "--no-prefix-cache", "--prefix-slots", "1"], capture_output=True,
+                               text=True, env=env, timeout=120)
+        assert slots.returncode == 2 and "--prefix-slots are the prefix cache's" in slots.stderr
         proc.send_signal(signal.SIGINT)
         assert proc.wait(60) == 0
     finally:

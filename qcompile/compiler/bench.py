@@ -59,6 +59,7 @@ class BenchOptions:
     sampling: Sampling = GREEDY  # temperature / top-k / top-p of every request; request i draws with seed + i
     n: int = 1  # choices per prompt (scheduler only): measured sharing the prompt's prefill and without
     turns: int = 1  # requests per conversation (scheduler only): measured with the prefix cache and without
+    shared_prefix: int = 0  # tokens every prompt starts with (scheduler only): measured with the prefix cache and without
 
 
 def sampling_note(sampling: Sampling) -> str:
@@ -108,12 +109,15 @@ def _check_outputs(opts: BenchOptions) -> None:
         raise UsageError(f"--n must be in 1..64, got {opts.n}")
     if not 1 <= opts.turns <= 64:
         raise UsageError(f"--turns must be in 1..64, got {opts.turns}")
-    for flag, value in (("--n", opts.n), ("--turns", opts.turns)):
+    if opts.shared_prefix < 0:
+        raise UsageError(f"--shared-prefix-len must be at least 0, got {opts.shared_prefix}")
+    for flag, value in (("--n", opts.n), ("--turns", opts.turns), ("--shared-prefix-len", opts.shared_prefix + 1)):
         if value > 1 and (opts.request_rate is None or opts.url is not None):
             raise UsageError(f"{flag} serves through this process's scheduler: give --request-rate (inf: all at "
                              "once), without --url")
-    if opts.n > 1 and opts.turns > 1:
-        raise UsageError("--n and --turns measure different things; give one of them")
+    if opts.n > 1 and (opts.turns > 1 or opts.shared_prefix):
+        raise UsageError("--n measures shared prefills, --turns and --shared-prefix-len the prefix cache; give --n "
+                         "alone")
     if opts.request_rate is not None:
         if not opts.request_rate > 0:
             raise UsageError(f"--request-rate must be positive (or inf), got {opts.request_rate}")
@@ -141,6 +145,11 @@ def run_bench(opts: BenchOptions, emit=print) -> dict:
 
     _check_outputs(opts)
     input_len, output_len, shape_note = workload_shape(opts.workload, opts.input_len, opts.output_len, opts.scale)
+    if opts.shared_prefix >= input_len:
+        raise UsageError(f"--shared-prefix-len {opts.shared_prefix} must be below the prompt length {input_len} (each "
+                         "prompt needs a token of its own)")
+    if opts.shared_prefix:
+        shape_note += f", every prompt starting with the same {opts.shared_prefix} tokens"
     if opts.url is not None:
         return _bench_server(opts, emit, input_len, output_len, shape_note)
     artifact = is_artifact(opts.source)
@@ -198,15 +207,20 @@ def run_bench(opts: BenchOptions, emit=print) -> dict:
         "builds": [{"label": b.label, "passes": b.passes, "check": b.check} for b in builds], "runs": runs}
     hf_model = None
 
+    cached = opts.turns > 1 or opts.shared_prefix > 0  # measured with the prefix cache and without
+
     def measure() -> None:
         nonlocal hf_model
         for concurrency in opts.concurrency:
             num = opts.num_prompts or concurrency
             prompts = make_prompts(num, input_len, vocab, opts.seed)
+            for prompt in prompts[1:]:
+                prompt[:opts.shared_prefix] = prompts[0][:opts.shared_prefix]
             ranks = opts.mesh.size if opts.mesh is not None else 1  # whole slots per data-parallel rank
             context = input_len + opts.turns * output_len + (opts.turns - 1) * follow_up_len(input_len)
-            cache = CacheConfig(max_seqs=-(-concurrency // ranks) * ranks, max_context=context,
-                                max_step_tokens=opts.max_step_tokens)
+            requests = -(-concurrency // ranks) * ranks
+            kept = ranks if cached else 0  # a prefix-cache slot on each rank, as serve gives
+            cache = CacheConfig(max_seqs=requests + kept, max_context=context, max_step_tokens=opts.max_step_tokens)
             experts: dict = {}
             for build in builds:
                 log(f"qcompile [{build.label}] at concurrency {concurrency}: compiling and warming up, then "
@@ -214,11 +228,12 @@ def run_bench(opts: BenchOptions, emit=print) -> dict:
                 reset_peak()
                 engine = _engine(art if artifact else None, build, params, cache, target, opts.memory_budget)
                 roofline = Roofline(build.graph, engine.sizes, ceilings, dtype)
-                if opts.n > 1 or opts.turns > 1:  # with the sharing (the prefix cache), then without, same build
+                if opts.n > 1 or cached:  # with the sharing (the prefix cache), then without, same build
                     off = "qcompile-unshared" if opts.n > 1 else "qcompile-no-prefix-cache"
                     done = [bench_engine_rate(engine, "qcompile" if share else off, build.label, prompts, output_len,
                                               concurrency, opts.request_rate, opts.seed, lambda: None, opts.sampling,
-                                              opts.n, share, opts.turns, prefix_cache=share and opts.turns > 1)
+                                              opts.n, share, opts.turns, prefix_cache=share and cached,
+                                              max_running=requests)
                             for share in (True, False)]
                 elif opts.request_rate is not None:
                     done = [bench_engine_rate(engine, "qcompile", build.label, prompts, output_len, concurrency,
@@ -226,7 +241,10 @@ def run_bench(opts: BenchOptions, emit=print) -> dict:
                 else:
                     done = [bench_engine(engine, "qcompile", build.label, prompts, output_len, concurrency, roofline,
                                          build.graph, target, lambda: None, opts.sampling)]
-                extra = {key: value for key, value in (("n", opts.n), ("turns", opts.turns)) if value > 1}
+                extra = {key: value for key, value in (("n", opts.n), ("turns", opts.turns),
+                                                       ("shared_prefix_len", opts.shared_prefix + 1)) if value > 1}
+                if "shared_prefix_len" in extra:
+                    extra["shared_prefix_len"] -= 1
                 for m in done:
                     experts = experts or m.experts_touched
                     runs.append({**m.to_json(), **extra, "memory": engine.memory(build.graph)})
@@ -319,8 +337,11 @@ def _engine(art, build: Build, params, cache: CacheConfig, target: str, memory_b
 
 
 def _progress(run: dict) -> None:
+    cache = run.get("prefix_cache")
+    hits = f"; prefix cache: {cache['hits']} hits, {cache['hit_tokens']} prompt tokens not fed again, " \
+        f"{cache['snapshots']} snapshots" if cache else ""
     log(f"  {run['engine']} [{run['passes']}] c={run['concurrency']}: prefill {_fmt(run['prefill_tok_s'])} tok/s, "
-        f"decode {_fmt(run['decode_tok_s'])} tok/s")
+        f"decode {_fmt(run['decode_tok_s'])} tok/s{hits}")
 
 
 def _finish(report: dict, opts: BenchOptions, emit) -> None:

@@ -167,6 +167,7 @@ class Measurement:
     warmup_seconds: float = 0.0
     experts_touched: dict = attrs.Factory(dict)
     complete: bool = True
+    prefix_cache: dict | None = None  # a run with the scheduler's prefix cache: its hits, hit tokens and snapshots
 
     def request(self, ttft: float, token_times: list[float], start: float) -> None:
         self.requests += 1
@@ -233,6 +234,7 @@ class Measurement:
             "measured_seconds": {"prefill": self.prefill_seconds, "decode": self.decode_seconds,
                                  "duration": self.duration, "warmup": self.warmup_seconds},
             "experts_touched": self.experts_touched,
+            **({"prefix_cache": self.prefix_cache} if self.prefix_cache is not None else {}),
         }
 
 
@@ -324,7 +326,8 @@ def follow_up_len(input_len: int) -> int:
 
 def bench_engine_rate(engine, label: str, passes: str, prompts: list[list[int]], output_len: int, concurrency: int,
                       rate: float, seed: int, stop, sampling: Sampling = GREEDY, n: int = 1,
-                      share: bool = True, turns: int = 1, prefix_cache: bool = False) -> Measurement:
+                      share: bool = True, turns: int = 1, prefix_cache: bool = False,
+                      max_running: int | None = None) -> Measurement:
     """Serve `prompts` as requests arriving at `rate` per second (Poisson, seeded) through the continuous-batching
     scheduler (runtime/scheduler.py): at most `concurrency` run at once, the others wait; each request's TTFT runs
     from its arrival. Every token bucket is compiled first (untimed), so no compile lands inside the run. Steps mix
@@ -333,7 +336,8 @@ def bench_engine_rate(engine, label: str, passes: str, prompts: list[list[int]],
     the first's prefill (`share`, as `serve` does for a request's n) or fed on their own.
     `turns`: each prompt opens a conversation of that many requests, each sent when the one before finishes, its
     prompt the one before's, its reply and follow_up_len new (seeded random) tokens — served with the scheduler's
-    prefix cache on (`prefix_cache`, as `serve` runs) or off."""
+    prefix cache on (`prefix_cache`, as `serve` runs; it also snapshots prefixes prompts share) or off.
+    `max_running`: requests run at once, below the engine's slots where it has prefix-cache slots (as serve's)."""
     from qcompile.runtime.scheduler import Request, Scheduler
 
     m = Measurement(label, passes, concurrency, len(prompts[0]), output_len)
@@ -346,7 +350,7 @@ def bench_engine_rate(engine, label: str, passes: str, prompts: list[list[int]],
     if share:
         for index, request in enumerate(requests):
             request.parent = requests[index - index % n] if index % n else None
-    scheduler = Scheduler(engine, prefix_cache=prefix_cache)
+    scheduler = Scheduler(engine, prefix_cache=prefix_cache, max_running=max_running)
     follow = np.random.default_rng(seed + 1)  # a later turn's new tokens: drawn from its conversation's first prompt
     later: list = []  # later turns, made as the turns before them finish
     token_times: dict[int, list[float]] = {}
@@ -380,6 +384,9 @@ def bench_engine_rate(engine, label: str, passes: str, prompts: list[list[int]],
         raise
     finally:
         m.duration = time.perf_counter() - start
+        if prefix_cache:
+            m.prefix_cache = {"hits": scheduler.prefix_hits, "hit_tokens": scheduler.prefix_hit_tokens,
+                              "snapshots": scheduler.snapshots}
         scheduler.release_kept()  # the engine serves the next run with every slot and page
         for request in [*requests, *later]:
             times = token_times.get(request.id)

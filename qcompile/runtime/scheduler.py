@@ -31,8 +31,15 @@ wait for its children).
 
 With `prefix_cache`, a finished request's sequence is kept (slot and pages) with the tokens its cache holds, and a
 later request whose feed starts with all of them takes it over and feeds the rest (a GDN state is only reusable at
-the end of what it summarised: the next turn of a conversation continues the last). Kept sequences are released,
-oldest first, whenever admission, a fork or a step needs their slots or pages — before any request is preempted.
+the end of what it summarised: the next turn of a conversation continues the last). A prefix that prompts share
+(a system prompt, an agent's instructions and tools) is kept apart as a snapshot: each admitted prompt's whole pages
+are hashed (chained, as vLLM's block hashes), and one that starts with pages an earlier prompt had stops its prefill
+at the end of the longest such run, where its sequence is copied (Engine.fork) into a kept snapshot; a later prompt
+that starts with a snapshot's tokens gets a copy of it (the snapshot stays) and feeds the rest. So the second prompt
+with a common prefix makes the snapshot and every later one skips the prefix. Kept sequences are released, least
+recently used first, whenever admission, a fork or a step needs their slots or pages — before any request is
+preempted. `max_running` below the engine's slots leaves slots that only kept sequences use: a snapshot then
+survives a full batch (serve's --prefix-slots).
 
 With data-parallel ranks (engine.ranks > 1) pages are counted per rank: a request is admitted when the rank it
 would go to has the pages, and the request preempted is the youngest on a rank whose plan outgrows its pool.
@@ -46,7 +53,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Iterator
 
 import attrs
@@ -80,16 +87,39 @@ class Request:
     # prefill (all but the last prompt token) instead of computed again; None once forked, or when it cannot be.
     parent: "Request | None" = None
     children: list = attrs.Factory(list)  # requests waiting to fork from this one's prefill
+    # where its prefill stops for a snapshot of a prefix earlier prompts shared (the prefix cache); None: no stop
+    snapshot_at: int | None = None
+
+
+@attrs.define(eq=False)
+class Kept:
+    """A sequence the prefix cache holds: its cache holds exactly `tokens`. A finished request's (taken over by the
+    prompt that continues it) or a `shared` snapshot of a common prefix (copied for each prompt that starts with it)."""
+
+    tokens: list[int]
+    seq: Sequence
+    shared: bool = False
+
+
+#: Page hashes remembered for finding prefixes that prompts share (about 100 bytes each).
+SEEN_PAGES = 1 << 16
 
 
 class Scheduler:
-    def __init__(self, engine: Engine, prefix_cache: bool = False):
+    def __init__(self, engine: Engine, prefix_cache: bool = False, max_running: int | None = None):
         self.engine = engine
-        # finished sequences kept with the tokens their cache holds, oldest first, for a later prompt that continues
-        # one (the next turn of a conversation); None: released when they finish
-        self.prefix_cache: list[tuple[list[int], Sequence]] | None = [] if prefix_cache else None
-        self.prefix_hits = 0  # requests that continued a kept sequence
+        # kept sequences, least recently used first, for a later prompt that continues one (the next turn of a
+        # conversation) or starts with one (a shared prefix's snapshot); None: released when they finish
+        self.prefix_cache: list[Kept] | None = [] if prefix_cache else None
+        self.prefix_hits = 0  # requests that continued a kept sequence or started from a snapshot
         self.prefix_hit_tokens = 0  # the prompt tokens those did not feed again
+        self.snapshots = 0  # shared prefixes snapshotted so far
+        self._seen_pages: OrderedDict[int, None] = OrderedDict()  # chained hashes of admitted prompts' whole pages
+        # requests running at once (at most the engine's slots); slots beyond it are only for kept sequences
+        self.max_running = engine.cache_cfg.max_seqs if max_running is None else max_running
+        if not 0 < self.max_running <= engine.cache_cfg.max_seqs or self.max_running % engine.ranks:
+            raise UsageError(f"max_running {self.max_running} must be a multiple of the {engine.ranks} data-parallel "
+                             f"ranks in 1..{engine.cache_cfg.max_seqs} (the engine's slots)")
         self.budget = engine.cache_cfg.max_step_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -162,62 +192,96 @@ class Scheduler:
         return len(self.engine.free_pages_by_rank[rank]) - sum(
             self._new_pages(r, 1) for r in self.running if r.prefilled == len(r.feed) and self._rank(r) == rank)
 
-    def _room(self, rank: int) -> tuple[int, int]:
-        """(slots, pages) free on `rank` beyond what its running requests need next: their decode tokens' pages and
-        the slots and pages of their choices still to fork."""
-        slots, spare = len(self.engine.free_slots_by_rank[rank]), self._spare_pages(rank)
+    def _reserved(self, rank: int) -> tuple[int, int]:
+        """(slots, pages) on `rank` that the choices still to fork from its running requests will take."""
+        slots = pages = 0
         for parent in self.running:
             if parent.children and self._rank(parent) == rank:
                 waiting = sum(map(self._to_fork, parent.children))
-                slots -= waiting
-                spare -= waiting * math.ceil(len(parent.prompt) / self.engine.page_size)
-        return slots, spare
+                slots += waiting
+                pages += waiting * math.ceil(len(parent.prompt) / self.engine.page_size)
+        return slots, pages
 
     def _admit(self) -> None:
         self._fork()
+        self._snapshot()
         for request in list(self.waiting):  # oldest first
             if self._awaits_fork(request):
                 continue
             if request.feed is None:
                 request.feed = list(request.prompt)
+                request.snapshot_at = self._shared_prefix(request)
             if not self._admitted(request):
                 break  # oldest first: later requests wait behind it rather than starve it
 
     def _admitted(self, request: Request) -> bool:
-        """Admit a waiting request if there is room — on a kept sequence its feed continues, else on a new one —
-        releasing kept sequences (oldest first) to make room; False when there is none."""
-        hit = self._continued(request)
-        if hit is not None:  # continue a kept sequence: its slot and pages are the request's now
-            tokens, seq = hit
-            rank = self.engine.rank_of(seq)
-            need = math.ceil((len(request.feed) + 1) / self.engine.page_size) - len(seq.pages)
-            while need > self._room(rank)[1]:
-                if not self._evict(rank, keep=seq):
-                    return False
-            self.prefix_cache.remove(hit)
-            self.waiting.remove(request)
-            request.seq, request.prefilled = seq, len(tokens)
-            self.running.append(request)
-            self.prefix_hits += 1
-            self.prefix_hit_tokens += len(tokens)
-            return True
-        # pages the running requests' next decode tokens will take come first (on the rank it would go to), then
-        # the slots and pages of the choices still to fork from running requests; a request with choices to fork
-        # waits for room for them all too, where an idle rank would have it
-        rank, pages = self.engine.next_rank(), math.ceil((len(request.feed) + 1) / self.engine.page_size)
-        group = 1 + sum(map(self._to_fork, request.children))
-        if group > self.engine.cache_cfg.max_seqs // self.engine.ranks or \
-                group * pages > self.engine.sizes["P"] // self.engine.ranks:
-            group = 1  # could never fit together: the choices that cannot fork are fed on their own
-        while True:
-            slots, spare = self._room(rank)
-            if slots >= group and group * pages <= spare:
-                break
-            if not self._evict(rank):
+        """Admit a waiting request if there is room — on a kept sequence its feed continues, on a copy of a snapshot
+        it starts with, else on a new one — releasing kept sequences (least recently used first) to make room; False
+        when there is none."""
+        if not self._started_from_kept(request):
+            # pages the running requests' next decode tokens will take come first (on the rank it would go to), then
+            # the slots and pages of the choices still to fork from running requests; a request with choices to
+            # fork waits for room for them all too, where an idle rank would have it
+            rank, pages = self.engine.next_rank(), math.ceil((len(request.feed) + 1) / self.engine.page_size)
+            if not self._make_room(rank, self._group(request), pages):
                 return False
+            self.waiting.remove(request)
+            request.seq = self.engine.add_sequence()
+            self.running.append(request)
+        if request.snapshot_at is not None and request.snapshot_at <= request.prefilled:
+            request.snapshot_at = None  # what it starts from covers the shared prefix already
+        return True
+
+    def _group(self, request: Request) -> int:
+        """Slots a request's admission needs: its own and its choices' still to fork (1 when they could never fit
+        together: those are fed on their own)."""
+        group = 1 + sum(map(self._to_fork, request.children))
+        pages = math.ceil((len(request.feed) + 1) / self.engine.page_size)
+        if group > self.max_running // self.engine.ranks or group * pages > self.engine.sizes["P"] // self.engine.ranks:
+            return 1
+        return group
+
+    def _make_room(self, rank: int, group: int, pages: int, keep: Sequence | None = None,
+                   taken_over: Sequence | None = None) -> bool:
+        """Whether `rank` can run `group` more requests of `pages` pages each, beside what its running requests need
+        next (their decode tokens' pages; the slots and pages of their choices still to fork), releasing kept
+        sequences (least recently used first; never `keep`) until it can. `taken_over`: a kept sequence the first
+        of them takes over (its slot and pages count). No kept sequence is released when the running requests
+        alone leave too few slots (max_running)."""
+        reserved_slots, reserved_pages = self._reserved(rank)
+        running = sum(1 for r in self.running if self._rank(r) == rank)
+        if running + reserved_slots + group > self.max_running // self.engine.ranks:
+            return False
+        slots = reserved_slots + group - (taken_over is not None)
+        pages = reserved_pages + group * pages - (len(taken_over.pages) if taken_over is not None else 0)
+        while len(self.engine.free_slots_by_rank[rank]) < slots or self._spare_pages(rank) < pages:
+            if not self._evict(rank, keep=keep):
+                return False
+        return True
+
+    def _started_from_kept(self, request: Request) -> bool:
+        """Admit `request` on the kept sequence its feed continues (taken over) or on a copy of the snapshot it
+        starts with, where its rank has room; False when none fits (it is then admitted as any other)."""
+        hit = self._continued(request)
+        if hit is None:
+            return False
+        rank, pages = self.engine.rank_of(hit.seq), math.ceil((len(request.feed) + 1) / self.engine.page_size)
+        if hit.shared:  # a copy: a slot, and the request's pages
+            if not self._make_room(rank, self._group(request), pages, keep=hit.seq):
+                return False
+            request.seq = self.engine.fork(hit.seq)
+            self.prefix_cache.remove(hit)
+            self.prefix_cache.append(hit)  # most recently used
+        else:  # taken over: its slot and pages are the request's now
+            if not self._make_room(rank, self._group(request), pages, keep=hit.seq, taken_over=hit.seq):
+                return False
+            self.prefix_cache.remove(hit)
+            request.seq = hit.seq
         self.waiting.remove(request)
-        request.seq = self.engine.add_sequence()
+        request.prefilled = len(hit.tokens)
         self.running.append(request)
+        self.prefix_hits += 1
+        self.prefix_hit_tokens += len(hit.tokens)
         return True
 
     @staticmethod
@@ -256,7 +320,9 @@ class Scheduler:
                 while (pages > self._spare_pages(rank) or not self.engine.free_slots_by_rank[rank]) and \
                         self._evict(rank):
                     pass
-                seq = self.engine.fork(parent.seq) if pages <= self._spare_pages(rank) else None
+                running = sum(1 for r in self.running if self._rank(r) == rank)
+                fits = pages <= self._spare_pages(rank) and running < self.max_running // self.engine.ranks
+                seq = self.engine.fork(parent.seq) if fits else None
                 child.parent = None
                 if seq is None:
                     continue
@@ -293,6 +359,8 @@ class Scheduler:
             rest = len(request.feed) - request.prefilled
             if request.children and request.prefilled < self._fork_point(request):  # stop where its children fork
                 rest = self._fork_point(request) - request.prefilled
+            if request.snapshot_at is not None and request.prefilled < request.snapshot_at:  # and at a snapshot
+                rest = min(rest, request.snapshot_at - request.prefilled)
             if rest and left > 0:
                 take = min(rest, left)
                 plan.append((request, request.feed[request.prefilled:request.prefilled + take],
@@ -415,7 +483,7 @@ class Scheduler:
                 self.running.remove(request)
         return made
 
-    # -- the prefix cache: finished sequences a later prompt may continue -----------------------------------------
+    # -- the prefix cache: finished sequences a later prompt may continue, snapshots of shared prefixes ----------
 
     def _retire(self, request: Request) -> None:
         """A finished request's sequence: kept (prefix cache) with the tokens its cache holds — its prompt and
@@ -424,36 +492,79 @@ class Scheduler:
         if self.prefix_cache is None or request.prompt_logprobs or seq.length < 2:
             self.engine.release(seq)
             return
-        self.prefix_cache.append(((list(request.prompt) + list(request.tokens))[:seq.length], seq))
+        self.prefix_cache.append(Kept((list(request.prompt) + list(request.tokens))[:seq.length], seq))
 
-    def _continued(self, request: Request) -> tuple[list[int], Sequence] | None:
-        """The kept sequence whose tokens the request's feed continues (the longest; at least one token left to
-        feed, which makes its next token), or None. Not for a request scoring its prompt."""
+    def _continued(self, request: Request) -> Kept | None:
+        """The kept sequence whose tokens the request's feed starts with (the longest, a finished one before a
+        snapshot of the same length; at least one token left to feed, which makes its next token), or None. Not
+        for a request scoring its prompt."""
         if not self.prefix_cache or request.prompt_logprobs:
             return None
         feed = request.feed
-        hits = [entry for entry in self.prefix_cache
-                if len(entry[0]) < len(feed) and feed[:len(entry[0])] == entry[0]]
-        return max(hits, key=lambda entry: len(entry[0]), default=None)
+        hits = [kept for kept in self.prefix_cache if len(kept.tokens) < len(feed) and feed[:len(kept.tokens)] == kept.tokens]
+        return max(hits, key=lambda kept: (len(kept.tokens), not kept.shared), default=None)
+
+    def _shared_prefix(self, request: Request) -> int | None:
+        """Where a newly admitted prompt should stop for a snapshot: the end of the longest run of whole pages it
+        starts with that an earlier prompt started with too (None: none, or not even one page); its pages are
+        remembered for later prompts. A page's hash chains the hashes before it, so equal hashes mean equal
+        prefixes (a collision costs a useless snapshot, never a wrong token: a hit compares the tokens)."""
+        if self.prefix_cache is None or request.prompt_logprobs:
+            return None
+        page, seen, shared, digest = self.engine.page_size, self._seen_pages, 0, 0
+        for start in range(0, len(request.prompt) - page, page):  # a page before the last token: it is fed after
+            digest = hash((digest, *request.prompt[start:start + page]))
+            if digest in seen:  # so was every page before it (the chain)
+                seen.move_to_end(digest)
+                shared = start + page
+            else:
+                seen[digest] = None
+        while len(seen) > SEEN_PAGES:
+            seen.popitem(last=False)
+        return shared or None
+
+    def _snapshot(self) -> None:
+        """Copy every running request whose prefill stands at its snapshot point (launched: the copy follows that
+        step on the device) into a kept snapshot, unless one holds that prefix already; where its rank has no
+        slot or pages even after releasing older kept sequences, it is not taken."""
+        for request in self.running:
+            at = request.snapshot_at
+            if at is None or request.prefilled < at:
+                continue
+            request.snapshot_at = None
+            if request.prefilled != at or request.seq.length != at:
+                continue
+            tokens = request.feed[:at]
+            if any(kept.shared and kept.tokens == tokens for kept in self.prefix_cache):
+                continue
+            rank, pages = self._rank(request), math.ceil(at / self.engine.page_size)
+            reserved_slots, reserved_pages = self._reserved(rank)
+            while (len(self.engine.free_slots_by_rank[rank]) <= reserved_slots or
+                   self._spare_pages(rank) < reserved_pages + pages) and self._evict(rank):
+                pass
+            if len(self.engine.free_slots_by_rank[rank]) > reserved_slots and \
+                    self._spare_pages(rank) >= reserved_pages + pages:
+                self.prefix_cache.append(Kept(tokens, self.engine.fork(request.seq), shared=True))
+                self.snapshots += 1
 
     def _evict(self, rank: int, keep: Sequence | None = None) -> bool:
-        """Release the oldest kept sequence on `rank` (but `keep`); False when it keeps none."""
-        for index, (_, seq) in enumerate(self.prefix_cache or ()):
-            if self.engine.rank_of(seq) == rank and seq is not keep:
+        """Release the least recently used kept sequence on `rank` (but `keep`); False when it keeps none."""
+        for index, kept in enumerate(self.prefix_cache or ()):
+            if self.engine.rank_of(kept.seq) == rank and kept.seq is not keep:
                 del self.prefix_cache[index]
-                self.engine.release(seq)
+                self.engine.release(kept.seq)
                 return True
         return False
 
     def release_kept(self) -> None:
         """Release every kept sequence (the engine's slots and pages all free again once nothing runs)."""
         while self.prefix_cache:
-            self.engine.release(self.prefix_cache.pop()[1])
+            self.engine.release(self.prefix_cache.pop().seq)
 
     def kept(self) -> tuple[int, int]:
         """(sequences, KV pages) the prefix cache holds."""
         entries = self.prefix_cache or ()
-        return len(entries), sum(len(seq.pages) for _, seq in entries)
+        return len(entries), sum(len(kept.seq.pages) for kept in entries)
 
     def stream(self, requests: Iterable[Request] = ()) -> Iterator[tuple[Request, int]]:
         """Submit `requests` and step until every submitted request has finished, yielding tokens as they come."""

@@ -72,10 +72,14 @@ class Metrics:
                            registry=registry)
         self.shared_prompt_tokens = Gauge("qcompile_prompt_tokens_shared",
                                           "Prompt tokens those forks did not compute again, so far", registry=registry)
-        self.prefix_cached = Gauge("qcompile_prefix_cache_sequences",
-                                   "Finished sequences kept for a prompt that continues one", registry=registry)
-        self.prefix_hits = Gauge("qcompile_prefix_cache_hits", "Requests that continued a kept sequence, so far",
+        self.prefix_cached = Gauge("qcompile_prefix_cache_sequences", "Sequences kept for a prompt that continues "
+                                   "one (finished ones) or starts with one (shared prefixes' snapshots)",
+                                   registry=registry)
+        self.prefix_hits = Gauge("qcompile_prefix_cache_hits",
+                                 "Requests that continued a kept sequence or started from a snapshot, so far",
                                  registry=registry)
+        self.prefix_snapshots = Gauge("qcompile_prefix_cache_snapshots",
+                                      "Prefixes that prompts shared snapshotted, so far", registry=registry)
         self.prefix_hit_tokens = Gauge("qcompile_prefix_cache_hit_tokens",
                                        "Prompt tokens those requests did not compute again, so far", registry=registry)
         self.requests = Counter("qcompile_requests_finished", "Finished choices by reason", ["finish_reason"],
@@ -100,6 +104,7 @@ class Metrics:
         self.prefix_cached.set(state.prefix_cached)
         self.prefix_hits.set(state.prefix_hits)
         self.prefix_hit_tokens.set(state.prefix_hit_tokens)
+        self.prefix_snapshots.set(state.prefix_snapshots)
         if state.tokens_made > self._counted:  # made by the engine, whether or not a client was still there
             self.generation_tokens.inc(state.tokens_made - self._counted)
             self._counted = state.tokens_made

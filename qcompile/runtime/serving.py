@@ -51,9 +51,10 @@ class LoopState:
     preemptions: int = 0  # requests preempted for pages (and recomputed) since the loop started
     forks: int = 0  # choices forked from their prompt's prefill (a request's n) since the loop started
     shared_prompt_tokens: int = 0  # prompt tokens those forks did not compute again
-    prefix_cached: int = 0  # finished sequences kept for a prompt that continues one (not in *_used above)
-    prefix_hits: int = 0  # requests that continued a kept sequence since the loop started
+    prefix_cached: int = 0  # sequences the prefix cache keeps: finished ones, shared prefixes' (not in *_used above)
+    prefix_hits: int = 0  # requests that continued a kept sequence or started from a snapshot since the loop started
     prefix_hit_tokens: int = 0  # prompt tokens those did not compute again
+    prefix_snapshots: int = 0  # shared prefixes snapshotted since the loop started
 
 
 class EngineLoop:
@@ -186,7 +187,8 @@ class EngineLoop:
                          tokens_made=self._tokens_made, preemptions=self.scheduler.preemptions,
                          forks=self.scheduler.forks, shared_prompt_tokens=self.scheduler.shared_prompt_tokens,
                          prefix_cached=kept, prefix_hits=self.scheduler.prefix_hits,
-                         prefix_hit_tokens=self.scheduler.prefix_hit_tokens)
+                         prefix_hit_tokens=self.scheduler.prefix_hit_tokens,
+                         prefix_snapshots=self.scheduler.snapshots)
 
     def _report(self) -> None:
         if self.on_state is not None:
