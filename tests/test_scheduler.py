@@ -306,13 +306,32 @@ def test_prompts_sharing_a_prefix_start_from_its_snapshot(model):
     assert any(k.shared for k in scheduler.prefix_cache)
     for request in requests:
         assert request.tokens == scratch.generate([request.prompt], 3)["tokens"][0], request.id
-    # a prompt sharing only 8 tokens: fed whole, no snapshot
+    # a prompt sharing only 8 tokens: fed whole, no snapshot; the slot it needs is a finished sequence's, not the
+    # snapshot's (the least recently used, but prompts start from it)
+    assert [k.shared for k in scheduler.prefix_cache] == [True, False, False]
     other = Request(SHARED[:8] + [1] * 30, 3)
     scheduler.run([other])
     assert scheduler.prefix_hits == 3 and scheduler.snapshots == 1
+    assert [k.shared for k in scheduler.prefix_cache] == [True, False, False]
     assert other.tokens == scratch.generate([other.prompt], 3)["tokens"][0]
     scheduler.release_kept()
     assert sorted(engine.free_slots) == [0, 1, 2] and len(engine.free_pages) == engine.sizes["P"]
+
+
+def test_prompts_arriving_together_wait_for_the_snapshot_of_their_prefix(model):
+    """Four prompts with one 40-token prefix submitted at once, three running at most: the first is fed whole, the
+    second snapshots the prefix's two pages, and the third — which could run now — waits the two steps until the
+    snapshot is there and starts from it, as the fourth does when a slot frees: two hits, the same tokens."""
+    engine = model.engine(CacheConfig(max_seqs=4, max_context=96, max_step_tokens=16))
+    scheduler = Scheduler(engine, prefix_cache=True, max_running=3)
+    prefix = [(7 * i + 9) % 470 + 11 for i in range(40)]
+    requests = [Request(prefix + [k, k + 1], 3, id=k) for k in range(4)]
+    scheduler.run(requests)
+    assert scheduler.snapshots == 1 and scheduler.prefix_hits == 2 and scheduler.prefix_hit_tokens == 64
+    scratch = model.engine(CacheConfig(max_seqs=1, max_context=96, max_step_tokens=16))
+    assert [r.tokens for r in requests] == [scratch.generate([r.prompt], 3)["tokens"][0] for r in requests]
+    scheduler.release_kept()
+    assert len(engine.free_slots) == 4 and len(engine.free_pages) == engine.sizes["P"]
 
 
 def test_max_running_leaves_slots_only_kept_sequences_use(model):

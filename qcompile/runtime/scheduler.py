@@ -35,10 +35,11 @@ the end of what it summarised: the next turn of a conversation continues the las
 (a system prompt, an agent's instructions and tools) is kept apart as a snapshot: each admitted prompt's whole pages
 are hashed (chained, as vLLM's block hashes), and one that starts with pages an earlier prompt had stops its prefill
 at the end of the longest such run, where its sequence is copied (Engine.fork) into a kept snapshot; a later prompt
-that starts with a snapshot's tokens gets a copy of it (the snapshot stays) and feeds the rest. So the second prompt
-with a common prefix makes the snapshot and every later one skips the prefix. Kept sequences are released, least
-recently used first, whenever admission, a fork or a step needs their slots or pages — before any request is
-preempted. `max_running` below the engine's slots leaves slots that only kept sequences use: a snapshot then
+that starts with a snapshot's tokens gets a copy of it (the snapshot stays) and feeds the rest; one that arrives
+while the snapshot is being prefilled waits for it. So the second prompt with a common prefix makes the snapshot
+and every later one skips the prefix. Kept sequences are released whenever
+admission, a fork or a step needs their slots or pages — before any request is preempted —, least recently used
+first, snapshots that prompts have started from last. `max_running` below the engine's slots leaves slots that only kept sequences use: a snapshot then
 survives a full batch (serve's --prefix-slots).
 
 With data-parallel ranks (engine.ranks > 1) pages are counted per rank: a request is admitted when the rank it
@@ -99,6 +100,7 @@ class Kept:
     tokens: list[int]
     seq: Sequence
     shared: bool = False
+    hits: int = 0  # prompts that started from it (a snapshot)
 
 
 #: Page hashes remembered for finding prefixes that prompts share (about 100 bytes each).
@@ -211,6 +213,8 @@ class Scheduler:
             if request.feed is None:
                 request.feed = list(request.prompt)
                 request.snapshot_at = self._shared_prefix(request)
+            if self._awaits_snapshot(request):
+                continue
             if not self._admitted(request):
                 break  # oldest first: later requests wait behind it rather than starve it
 
@@ -270,6 +274,7 @@ class Scheduler:
             if not self._make_room(rank, self._group(request), pages, keep=hit.seq):
                 return False
             request.seq = self.engine.fork(hit.seq)
+            hit.hits += 1
             self.prefix_cache.remove(hit)
             self.prefix_cache.append(hit)  # most recently used
         else:  # taken over: its slot and pages are the request's now
@@ -523,6 +528,20 @@ class Scheduler:
             seen.popitem(last=False)
         return shared or None
 
+    def _awaits_snapshot(self, request: Request) -> bool:
+        """Whether a waiting request starts with the prefix a running request is prefilling toward a snapshot of
+        (longer than what the prefix cache holds for it now): it waits the few steps until the snapshot is there,
+        and then starts from it, instead of feeding the prefix too (prompts with one system prompt that arrive
+        together)."""
+        if self.prefix_cache is None or request.prompt_logprobs:
+            return False
+        hit = self._continued(request)
+        held = len(hit.tokens) if hit is not None else 0
+        feed = request.feed
+        return any(other.snapshot_at is not None and held < other.snapshot_at < len(feed) and
+                   other.prefilled <= other.snapshot_at and feed[:other.snapshot_at] == other.feed[:other.snapshot_at]
+                   for other in self.running)
+
     def _snapshot(self) -> None:
         """Copy every running request whose prefill stands at its snapshot point (launched: the copy follows that
         step on the device) into a kept snapshot, unless one holds that prefix already; where its rank has no
@@ -548,13 +567,17 @@ class Scheduler:
                 self.snapshots += 1
 
     def _evict(self, rank: int, keep: Sequence | None = None) -> bool:
-        """Release the least recently used kept sequence on `rank` (but `keep`); False when it keeps none."""
-        for index, kept in enumerate(self.prefix_cache or ()):
-            if self.engine.rank_of(kept.seq) == rank and kept.seq is not keep:
-                del self.prefix_cache[index]
-                self.engine.release(kept.seq)
-                return True
-        return False
+        """Release a kept sequence on `rank` (but `keep`): the least recently used finished sequence or snapshot no
+        prompt has started from yet, else the least recently used snapshot that prompts have started from (a
+        finished sequence serves at most its next turn, a snapshot in use every prompt with its prefix); False when
+        it keeps none."""
+        candidates = [index for index, kept in enumerate(self.prefix_cache or ())
+                      if self.engine.rank_of(kept.seq) == rank and kept.seq is not keep]
+        if not candidates:
+            return False
+        index = next((i for i in candidates if not self.prefix_cache[i].hits), candidates[0])
+        self.engine.release(self.prefix_cache.pop(index).seq)
+        return True
 
     def release_kept(self) -> None:
         """Release every kept sequence (the engine's slots and pages all free again once nothing runs)."""
