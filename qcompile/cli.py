@@ -615,7 +615,8 @@ def init_tiny_cmd(directory, family, preset, seed, dtype, sparse, force):
                    "without.")
 @click.option("--shared-prefix-len", "shared_prefix", default=0, show_default=True, metavar="P",
               help="With --request-rate: every prompt starts with the same P of its --input-len tokens (a system "
-                   "prompt); measured with serve's prefix cache (which snapshots the shared prefix) and without.")
+                   "prompt); measured with serve's prefix cache (which snapshots the shared prefix) and without (with "
+                   "--url: the server as it runs).")
 @click.option("--passes", "passes_spec", default=None, metavar="SPEC", help="Passes of the build (default all).")
 @click.option("--compare", multiple=True, type=click.Choice(["transformers"]),
               help="Also run Hugging Face transformers eager on the same checkpoint, prompts and threads.")

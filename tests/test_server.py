@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import re
 import signal
@@ -851,6 +852,14 @@ def test_bench_url_measures_the_server_with_the_in_process_metrics(server):
     assert run["measured_seconds"]["duration"] > 0 and run["prefill_tok_s"] is None
     assert any(line.startswith("qcompile-http") for line in "\n".join(lines).splitlines())
     server.wait_pool_full()
+    # prompts sharing 18 of their 20 tokens: the server snapshots the shared page and later prompts start from it
+    hits = _metric(server, "qcompile_prefix_cache_hits")
+    report = run_bench(BenchOptions(source=None, url=server.url, input_len=20, output_len=2, concurrency=(1,),
+                                    num_prompts=4, request_rate=math.inf, shared_prefix=18, seed=3),
+                       emit=lambda line: None)
+    assert report["runs"][0]["shared_prefix_len"] == 18 and report["runs"][0]["requests"] == 4
+    assert _metric(server, "qcompile_prefix_cache_hits") >= hits + 2
+    server.wait_pool_full()
     with pytest.raises(UsageError, match="no OpenAI-compatible server"):
         run_bench(BenchOptions(source=None, url="http://127.0.0.1:9", input_len=4, output_len=2, concurrency=(1,)))
     with pytest.raises(UsageError, match="context"):
@@ -859,11 +868,15 @@ def test_bench_url_measures_the_server_with_the_in_process_metrics(server):
 
 @pytest.mark.slow
 def test_a_soak_of_many_short_requests_over_http_loses_and_leaks_nothing(server):
-    """600 short sampled requests, every fifth with n = 3 (choices forking one prefill), 24 in flight at a time,
-    every third client hanging up after its first token: every other request gets all its tokens, and the pool is
+    """600 short sampled requests, every fifth with n = 3 (choices forking one prefill), every fourth starting with
+    one of two shared prefixes (snapshots), 24 in flight at a time, every third client hanging up after its first
+    token: every other request gets all its tokens, and the pool is
     full at the end (the in-process soak is tests/test_scheduler.py)."""
     async def one(client, gate, i):
-        body = {"prompt": [(7 * i + j) % 450 + 5 for j in range(2 + i % 7)], "max_tokens": 2 + i % 4,
+        prompt = [(7 * i + j) % 450 + 5 for j in range(2 + i % 7)]
+        if i % 4 == 1:  # one of two 16-token prefixes: snapshots made, copied, released under the churn
+            prompt = [(11 * j + i % 8 // 4) % 450 + 5 for j in range(16)] + prompt
+        body = {"prompt": prompt, "max_tokens": 2 + i % 4,
                 "temperature": 0.7, "seed": i, "n": 3 if i % 5 == 0 else 1, "stream": True}
         async with gate, client.stream("POST", "/v1/completions", json=body) as response:
             assert response.status_code == 200
@@ -881,6 +894,8 @@ def test_a_soak_of_many_short_requests_over_http_loses_and_leaks_nothing(server)
                                      limits=httpx.Limits(max_connections=32)) as client:
             return await asyncio.gather(*(one(client, gate, i) for i in range(600)))
 
+    snapshots = _metric(server, "qcompile_prefix_cache_snapshots")
     outcomes = asyncio.run(main())
     assert outcomes.count(True) == 400 and outcomes.count(None) == 200
+    assert _metric(server, "qcompile_prefix_cache_snapshots") > snapshots
     server.wait_pool_full(60)

@@ -111,7 +111,10 @@ def _check_outputs(opts: BenchOptions) -> None:
         raise UsageError(f"--turns must be in 1..64, got {opts.turns}")
     if opts.shared_prefix < 0:
         raise UsageError(f"--shared-prefix-len must be at least 0, got {opts.shared_prefix}")
-    for flag, value in (("--n", opts.n), ("--turns", opts.turns), ("--shared-prefix-len", opts.shared_prefix + 1)):
+    if opts.shared_prefix and opts.request_rate is None and opts.url is None:
+        raise UsageError("--shared-prefix-len serves through the scheduler: give --request-rate (inf: all at once), or "
+                         "--url of a running server")
+    for flag, value in (("--n", opts.n), ("--turns", opts.turns)):
         if value > 1 and (opts.request_rate is None or opts.url is not None):
             raise UsageError(f"{flag} serves through this process's scheduler: give --request-rate (inf: all at "
                              "once), without --url")
@@ -318,7 +321,9 @@ def _bench_server(opts: BenchOptions, emit, input_len: int, output_len: int, sha
     def measure() -> None:
         for concurrency in opts.concurrency:
             runs.append(bench_url(opts.url, input_len, output_len, concurrency, opts.num_prompts or concurrency,
-                                  opts.request_rate, opts.seed, opts.sampling))
+                                  opts.request_rate, opts.seed, opts.sampling, opts.shared_prefix))
+            if opts.shared_prefix:
+                runs[-1]["shared_prefix_len"] = opts.shared_prefix
             _progress(runs[-1])
 
     return _reported(report, opts, emit, measure)

@@ -88,8 +88,9 @@ async def _run(url: str, model: str, prompts: list[list[int]], output_len: int, 
 
 
 def bench_url(url: str, input_len: int, output_len: int, concurrency: int, num: int, rate: float | None,
-              seed: int, sampling: Sampling = GREEDY) -> dict:
-    """One run at one concurrency against the server at `url`: the in-process bench's run record."""
+              seed: int, sampling: Sampling = GREEDY, shared_prefix: int = 0) -> dict:
+    """One run at one concurrency against the server at `url`: the in-process bench's run record. `shared_prefix`:
+    every prompt starts with the first's first that many tokens (whatever prefix caching the server does)."""
     entry = server_model(url)
     vocab, context = entry.get("vocab_size"), entry.get("max_model_len")
     if vocab is None:
@@ -97,6 +98,8 @@ def bench_url(url: str, input_len: int, output_len: int, concurrency: int, num: 
     if context is not None and input_len + output_len > context:
         raise UsageError(f"{input_len}+{output_len} tokens exceed the server's context of {context}")
     prompts = make_prompts(num, input_len, int(vocab), seed)
+    for prompt in prompts[1:]:
+        prompt[:shared_prefix] = prompts[0][:shared_prefix]
     arrivals = arrival_times(num, float("inf") if rate is None else rate, seed)
     m = Measurement("qcompile-http", entry["id"], concurrency, input_len, output_len)
     log(f"{url}: {num} requests at concurrency {concurrency}")
