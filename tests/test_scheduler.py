@@ -290,16 +290,16 @@ def test_prompts_sharing_a_prefix_start_from_its_snapshot(model):
     for request in requests[:2]:
         scheduler.run([request])
     assert scheduler.snapshots == 1 and scheduler.prefix_hits == 0  # the second one made it
-    assert [(len(k.tokens), k.shared) for k in scheduler.prefix_cache] == [(len(requests[0].prompt) + 2, False),
-                                                                           (32, True), (len(requests[1].prompt) + 2, False)]
+    kept = [(len(k.tokens), k.shared) for k in scheduler.prefix_cache]
+    assert kept == [(len(requests[0].prompt) + 2, False), (32, True), (len(requests[1].prompt) + 2, False)]
     before = sum(fed)
     scheduler.run([requests[2]])
     assert sum(fed) - before == 40 + 1 - 32 + 2  # from the snapshot: its own 9 tokens, then two decode tokens
     assert scheduler.prefix_hits == 1 and scheduler.prefix_hit_tokens == 32
     # its slot came from the least recently used kept sequence (the first prompt's), and the snapshot it used is
     # now more recently used than the second prompt's sequence
-    assert [(len(k.tokens), k.shared) for k in scheduler.prefix_cache] == [(len(requests[1].prompt) + 2, False),
-                                                                           (32, True), (len(requests[2].prompt) + 2, False)]
+    kept = [(len(k.tokens), k.shared) for k in scheduler.prefix_cache]
+    assert kept == [(len(requests[1].prompt) + 2, False), (32, True), (len(requests[2].prompt) + 2, False)]
     # two at once, every request slot taken: both copy the snapshot, which keeps the third slot
     scheduler.run(requests[3:])
     assert scheduler.prefix_hits == 3 and scheduler.snapshots == 1

@@ -59,7 +59,7 @@ class BenchOptions:
     sampling: Sampling = GREEDY  # temperature / top-k / top-p of every request; request i draws with seed + i
     n: int = 1  # choices per prompt (scheduler only): measured sharing the prompt's prefill and without
     turns: int = 1  # requests per conversation (scheduler only): measured with the prefix cache and without
-    shared_prefix: int = 0  # tokens every prompt starts with (scheduler only): measured with the prefix cache and without
+    shared_prefix: int = 0  # tokens every prompt starts with (scheduler or --url): with the prefix cache and without
 
 
 def sampling_note(sampling: Sampling) -> str:

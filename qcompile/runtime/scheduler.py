@@ -37,9 +37,9 @@ are hashed (chained, as vLLM's block hashes), and one that starts with pages an 
 at the end of the longest such run, where its sequence is copied (Engine.fork) into a kept snapshot; a later prompt
 that starts with a snapshot's tokens gets a copy of it (the snapshot stays) and feeds the rest; one that arrives
 while the snapshot is being prefilled waits for it. So the second prompt with a common prefix makes the snapshot
-and every later one skips the prefix. Kept sequences are released whenever
-admission, a fork or a step needs their slots or pages — before any request is preempted —, least recently used
-first, snapshots that prompts have started from last. `max_running` below the engine's slots leaves slots that only kept sequences use: a snapshot then
+and every later one skips the prefix. Kept sequences are released whenever admission, a fork or a step needs their
+slots or pages — before any request is preempted —, least recently used first, snapshots that prompts have started
+from last. `max_running` below the engine's slots leaves slots that only kept sequences use: a snapshot then
 survives a full batch (serve's --prefix-slots).
 
 With data-parallel ranks (engine.ranks > 1) pages are counted per rank: a request is admitted when the rank it
@@ -246,19 +246,19 @@ class Scheduler:
         return group
 
     def _make_room(self, rank: int, group: int, pages: int, keep: Sequence | None = None,
-                   taken_over: Sequence | None = None) -> bool:
+                   takes_over: bool = False) -> bool:
         """Whether `rank` can run `group` more requests of `pages` pages each, beside what its running requests need
         next (their decode tokens' pages; the slots and pages of their choices still to fork), releasing kept
-        sequences (least recently used first; never `keep`) until it can. `taken_over`: a kept sequence the first
-        of them takes over (its slot and pages count). No kept sequence is released when the running requests
-        alone leave too few slots (max_running)."""
+        sequences (never `keep`) until it can; `takes_over`: the first of them takes `keep` over (its slot and
+        pages count). No kept sequence is released when the running requests alone leave too few slots
+        (max_running)."""
         reserved_slots, reserved_pages = self._reserved(rank)
         running = sum(1 for r in self.running if self._rank(r) == rank)
         if running + reserved_slots + group > self.max_running // self.engine.ranks:
             return False
-        slots = reserved_slots + group - (taken_over is not None)
-        pages = reserved_pages + group * pages - (len(taken_over.pages) if taken_over is not None else 0)
-        while len(self.engine.free_slots_by_rank[rank]) < slots or self._spare_pages(rank) < pages:
+        need_slots = reserved_slots + group - takes_over
+        need_pages = reserved_pages + group * pages - (len(keep.pages) if takes_over else 0)
+        while len(self.engine.free_slots_by_rank[rank]) < need_slots or self._spare_pages(rank) < need_pages:
             if not self._evict(rank, keep=keep):
                 return False
         return True
@@ -278,7 +278,7 @@ class Scheduler:
             self.prefix_cache.remove(hit)
             self.prefix_cache.append(hit)  # most recently used
         else:  # taken over: its slot and pages are the request's now
-            if not self._make_room(rank, self._group(request), pages, keep=hit.seq, taken_over=hit.seq):
+            if not self._make_room(rank, self._group(request), pages, keep=hit.seq, takes_over=True):
                 return False
             self.prefix_cache.remove(hit)
             request.seq = hit.seq
@@ -506,7 +506,8 @@ class Scheduler:
         if not self.prefix_cache or request.prompt_logprobs:
             return None
         feed = request.feed
-        hits = [kept for kept in self.prefix_cache if len(kept.tokens) < len(feed) and feed[:len(kept.tokens)] == kept.tokens]
+        hits = [kept for kept in self.prefix_cache
+                if len(kept.tokens) < len(feed) and feed[:len(kept.tokens)] == kept.tokens]
         return max(hits, key=lambda kept: (len(kept.tokens), not kept.shared), default=None)
 
     def _shared_prefix(self, request: Request) -> int | None:
@@ -535,12 +536,14 @@ class Scheduler:
         together)."""
         if self.prefix_cache is None or request.prompt_logprobs:
             return False
-        hit = self._continued(request)
-        held = len(hit.tokens) if hit is not None else 0
         feed = request.feed
-        return any(other.snapshot_at is not None and held < other.snapshot_at < len(feed) and
-                   other.prefilled <= other.snapshot_at and feed[:other.snapshot_at] == other.feed[:other.snapshot_at]
-                   for other in self.running)
+        making = [other.snapshot_at for other in self.running  # (rarely any: O(1) per waiting request then)
+                  if other.snapshot_at is not None and other.prefilled <= other.snapshot_at < len(feed) and
+                  feed[:other.snapshot_at] == other.feed[:other.snapshot_at]]
+        if not making:
+            return False
+        hit = self._continued(request)
+        return max(making) > (len(hit.tokens) if hit is not None else 0)
 
     def _snapshot(self) -> None:
         """Copy every running request whose prefill stands at its snapshot point (launched: the copy follows that
