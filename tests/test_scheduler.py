@@ -150,9 +150,10 @@ def _fed_tokens(engine) -> list[int]:
 
 @pytest.mark.parametrize("dtype", [None, "bf16"])
 def test_a_forked_sequence_continues_as_its_source_would(tmp_path_factory, qc_model, model, dtype):
-    """Engine.fork copies a sequence's state slot and KV pages: the source and two forks, fed the same last prompt
-    token, give the logits of the whole prompt fed at once; fed different tokens, they part (the copy is not shared
-    memory). bf16 caches go through the native row gather and scatter."""
+    """Engine.fork copies a sequence's state slot and shares its whole KV pages (copying a partly written last one):
+    the source and two forks, fed the same last prompt token, give the logits of the whole prompt fed at once; fed
+    different tokens, they part (what they write is their own); every page is back in the pool once all are
+    released. bf16 caches go through the native row gather and scatter."""
     import numpy as np
 
     if dtype is not None:
@@ -164,14 +165,25 @@ def test_a_forked_sequence_continues_as_its_source_would(tmp_path_factory, qc_mo
     engine.release(whole)
     source = engine.add_sequence()
     engine.step([(source, prompt[:-1])])
+    free = len(engine.free_pages)
     forks = [engine.fork(source), engine.fork(source)]
-    assert all(f.length == 32 and len(f.pages) == 2 and not set(f.pages) & set(source.pages) for f in forks)
+    # its two whole pages are shared, not copied: no page taken from the pool
+    assert all(f.length == 32 and f.pages == source.pages for f in forks) and len(engine.free_pages) == free
     outs = engine.step([(source, prompt[-1:]), *((f, prompt[-1:]) for f in forks)])
     for out in outs:
         np.testing.assert_allclose(out, want, atol=1e-5 if dtype is None else 0.02)
+    assert len({f.pages[2] for f in [source, *forks]}) == 3  # the token after them went into a page of each one's own
     parted = engine.step([(forks[0], [5]), (forks[1], [9]), (source, [5])])
     assert np.array_equal(parted[0], parted[2]) and not np.allclose(parted[0], parted[1])
-    assert engine.fork(source) is not None and engine.fork(source) is None  # the fourth slot, then none left
+    # a fork of 34 tokens shares the two whole pages and copies the third, partly written
+    third = engine.fork(source)
+    assert third.pages[:2] == source.pages[:2] and third.pages[2] not in source.pages and len(third.pages) == 3
+    again = engine.step([(source, [7]), (third, [7])])
+    assert np.array_equal(again[0], again[1])
+    assert engine.fork(source) is None  # the fourth slot was the last
+    for seq in [source, *forks, third]:
+        engine.release(seq)
+    assert len(engine.free_pages) == engine.sizes["P"] and not engine.page_holders.any()
 
 
 def test_choices_of_one_prompt_share_its_prefill(model):
@@ -332,6 +344,29 @@ def test_prompts_arriving_together_wait_for_the_snapshot_of_their_prefix(model):
     assert [r.tokens for r in requests] == [scratch.generate([r.prompt], 3)["tokens"][0] for r in requests]
     scheduler.release_kept()
     assert len(engine.free_slots) == 4 and len(engine.free_pages) == engine.sizes["P"]
+
+
+def test_requests_started_from_a_snapshot_share_its_pages(model):
+    """Copies of a snapshot share its whole pages: three prompts of 43 tokens that start from a 32-token snapshot
+    run together in a pool of 6 pages (the snapshot's 2 and one of each one's own; copied pages would need 11),
+    with no preemption, and make the tokens made from scratch; the pool is whole again at the end."""
+    engine = model.engine(CacheConfig(max_seqs=4, max_context=64, max_step_tokens=16, num_pages=6))
+    scheduler = Scheduler(engine, prefix_cache=True, max_running=3)
+    requests = [Request(SHARED + [k, k + 1, k + 2], 3, id=k) for k in range(5)]
+    for request in requests[:2]:
+        scheduler.run([request])  # the second makes the snapshot
+    together = 0
+    for _ in scheduler.stream(requests[2:]):
+        together = max(together, len(scheduler.running))
+    assert together == 3 and scheduler.preemptions == 0 and scheduler.prefix_hits == 3 and scheduler.snapshots == 1
+    # kept: the snapshot (2 pages) and the last finished sequences, whose first two pages are the snapshot's
+    kept = scheduler.prefix_cache
+    assert kept[0].shared and all(k.seq.pages[:2] == kept[0].seq.pages for k in kept)
+    assert scheduler.kept() == (len(kept), 2 + len(kept) - 1)
+    scratch = model.engine(CacheConfig(max_seqs=1, max_context=64, max_step_tokens=16))
+    assert [r.tokens for r in requests] == [scratch.generate([r.prompt], 3)["tokens"][0] for r in requests]
+    scheduler.release_kept()
+    assert len(engine.free_pages) == 6 and not engine.page_holders.any() and len(engine.free_slots) == 4
 
 
 def test_max_running_leaves_slots_only_kept_sequences_use(model):

@@ -243,7 +243,8 @@ def _read_rows(arr, index, native_ok: bool):
 
 @functools.partial(jax.jit, donate_argnums=(0,), static_argnums=(5,))
 def _copy_sequence(caches, src_slot, dst_slot, src_pages, dst_pages, native_ok: bool = True):
-    """Every cache with a forked sequence's rows: its state slot and its KV pages copied from the source's, in place.
+    """Every cache with a forked sequence's rows: its state slot and the KV pages given copied from the source's, in
+    place.
     Page lists are padded with repeats of a pair (the same row written twice with the same value)."""
     out = {}
     for name, arr in caches.items():
@@ -284,6 +285,9 @@ class Engine:
         slots, pages = cache.max_seqs // self.ranks, self.sizes["P"] // self.ranks
         self.free_slots_by_rank = [list(range(r * slots, (r + 1) * slots)) for r in range(self.ranks)]
         self.free_pages_by_rank = [list(range(r * pages, (r + 1) * pages)) for r in range(self.ranks)]
+        # sequences holding each page: a forked sequence shares its source's whole pages (never written again: a
+        # sequence writes at its length and after), and a page goes back to the pool when the last holder lets go
+        self.page_holders = np.zeros(self.sizes["P"], np.int32)
         self.last_batch: dict | None = None
         # Pending tokens are fed on the device where the program runs on one device in one process (a mesh's
         # program takes its batch replicated or split in every process, as numpy arrays; those are read back first).
@@ -425,26 +429,35 @@ class Engine:
         self.caches = _reset_slot(self.caches, jnp.int32(seq.slot), self._caches_on_one_device())
         return seq
 
+    def fork_pages(self, source: Sequence) -> int:
+        """Pages `fork(source)` takes from the pool: a copy of its partly written last page, if it has one (its
+        whole pages are shared)."""
+        return int(source.length % self.page_size > 0)
+
     def fork(self, source: Sequence) -> Sequence | None:
-        """A new sequence whose cache holds what `source`'s holds (its state slot and KV pages copied on the device,
-        after every step launched so far), on the same rank; None when that rank has no free slot or not the pages.
-        A request's n choices share one prefill this way (runtime/scheduler.py)."""
+        """A new sequence whose cache holds what `source`'s holds, after every step launched so far, on the same
+        rank: its state slot copied on the device, its whole KV pages shared (no sequence writes into a page below
+        its length again) and a partly written last page copied; None when that rank has no free slot or not the
+        page. A request's n choices share one prefill, and prompts a snapshot of their common prefix, this way
+        (runtime/scheduler.py)."""
         rank = self.rank_of(source)
-        need = math.ceil(source.length / self.page_size)
-        if not self.free_slots_by_rank[rank] or need > len(self.free_pages_by_rank[rank]):
+        if not self.free_slots_by_rank[rank] or self.fork_pages(source) > len(self.free_pages_by_rank[rank]):
             return None
         seq = Sequence(self.free_slots_by_rank[rank].pop(0))
-        self._reserve(seq, source.length)
-        seq.length = source.length
-        if need:
-            width = 1 << (need - 1).bit_length()  # one program per power of two of pages
-            src, dst = source.pages[:need], list(seq.pages)
-            src, dst = src + [src[-1]] * (width - need), dst + [dst[-1]] * (width - need)
-            self.caches = _copy_sequence(self.caches, jnp.int32(source.slot), jnp.int32(seq.slot),
-                                         jnp.asarray(src, jnp.int32), jnp.asarray(dst, jnp.int32),
-                                         self._caches_on_one_device())
-        else:
+        if not source.length:
             self.caches = _reset_slot(self.caches, jnp.int32(seq.slot), self._caches_on_one_device())
+            return seq
+        whole = source.length // self.page_size
+        seq.pages = list(source.pages[:whole])
+        self.page_holders[seq.pages] += 1
+        self._reserve(seq, source.length)  # the partly written page, if any
+        seq.length = source.length
+        # the state slot, and the partly written page (else a whole page onto itself: the same values)
+        src, dst = ([source.pages[whole]], [seq.pages[whole]]) if self.fork_pages(source) else \
+            ([source.pages[0]], [source.pages[0]])
+        self.caches = _copy_sequence(self.caches, jnp.int32(source.slot), jnp.int32(seq.slot),
+                                     jnp.asarray(src, jnp.int32), jnp.asarray(dst, jnp.int32),
+                                     self._caches_on_one_device())
         return seq
 
     def _caches_on_one_device(self) -> bool:
@@ -454,10 +467,20 @@ class Engine:
         return all(len(arr.sharding.device_set) == 1 for arr in self.caches.values() if hasattr(arr, "sharding"))
 
     def release(self, seq: Sequence) -> None:
+        """Give `seq`'s slot back, and each of its pages no other sequence holds."""
         rank = self.rank_of(seq)
-        self.free_pages_by_rank[rank].extend(seq.pages)
+        self.page_holders[seq.pages] -= 1
+        self.free_pages_by_rank[rank].extend(page for page in seq.pages if not self.page_holders[page])
         self.free_slots_by_rank[rank].append(seq.slot)
         seq.pages, seq.length = [], 0
+
+    def pages_held(self, seqs) -> int:
+        """Pages that `seqs` hold and no other sequence does (what releasing them all would give back)."""
+        held = [page for seq in seqs for page in seq.pages]
+        if not held:
+            return 0
+        pages, counts = np.unique(np.asarray(held), return_counts=True)
+        return int(np.sum(self.page_holders[pages] == counts))
 
     def _reserve(self, seq: Sequence, new_tokens: int) -> None:
         total = seq.length + new_tokens
@@ -470,6 +493,7 @@ class Engine:
             where = f" (rank {self.rank_of(seq)}'s share)" if self.ranks > 1 else ""
             raise UsageError(f"the KV page pool ({self.sizes['P']} pages of {self.page_size} tokens){where} is "
                              "exhausted; raise --max-context or --num-pages")
+        self.page_holders[free[:need]] = 1
         seq.pages.extend(free[:need])
         del free[:need]
 

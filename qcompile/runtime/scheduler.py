@@ -23,9 +23,9 @@ call plans on what it made, as without pipelining.
 
 Choices of one prompt (a request's `n`) share its prefill: a request whose `parent` is an earlier one with the same
 prompt waits while the parent feeds all of the prompt but its last token, then gets a copy of the parent's cache
-(Engine.fork: its GDN state slot and KV pages, copied on the device after the step that filled them), and every
-choice feeds the last token itself, so each draws its first token with its own sampling. A prompt fed once instead
-of n times; the tokens are the same as without sharing. A child that cannot get a slot or the pages at that moment,
+(Engine.fork: its GDN state slot copied on the device after the step that filled it, its whole KV pages shared),
+and every choice feeds the last token itself, so each draws its first token with its own sampling. A prompt fed
+once instead of n times, its pages held once; the tokens are the same as without sharing. A child that cannot get a slot or the pages at that moment,
 or whose parent finished or was cancelled first, is fed as any other request (never a deadlock: the parent does not
 wait for its children).
 
@@ -201,8 +201,14 @@ class Scheduler:
             if parent.children and self._rank(parent) == rank:
                 waiting = sum(map(self._to_fork, parent.children))
                 slots += waiting
-                pages += waiting * math.ceil(len(parent.prompt) / self.engine.page_size)
+                pages += waiting * self._child_pages(parent)
         return slots, pages
+
+    def _child_pages(self, parent: Request) -> int:
+        """Pages a choice forked from `parent` takes to feed the prompt's last token and make its first: those past
+        the whole pages it shares with its parent at the fork point."""
+        page = self.engine.page_size
+        return math.ceil((len(parent.prompt) + 1) / page) - self._fork_point(parent) // page
 
     def _admit(self) -> None:
         self._fork()
@@ -226,8 +232,7 @@ class Scheduler:
             # pages the running requests' next decode tokens will take come first (on the rank it would go to), then
             # the slots and pages of the choices still to fork from running requests; a request with choices to
             # fork waits for room for them all too, where an idle rank would have it
-            rank, pages = self.engine.next_rank(), math.ceil((len(request.feed) + 1) / self.engine.page_size)
-            if not self._make_room(rank, self._group(request), pages):
+            if not self._make_room(self.engine.next_rank(), *self._group(request)):
                 return False
             self.waiting.remove(request)
             request.seq = self.engine.add_sequence()
@@ -236,28 +241,30 @@ class Scheduler:
             request.snapshot_at = None  # what it starts from covers the shared prefix already
         return True
 
-    def _group(self, request: Request) -> int:
-        """Slots a request's admission needs: its own and its choices' still to fork (1 when they could never fit
-        together: those are fed on their own)."""
-        group = 1 + sum(map(self._to_fork, request.children))
-        pages = math.ceil((len(request.feed) + 1) / self.engine.page_size)
-        if group > self.max_running // self.engine.ranks or group * pages > self.engine.sizes["P"] // self.engine.ranks:
-            return 1
-        return group
+    def _group(self, request: Request, shared: int = 0) -> tuple[int, int]:
+        """(slots, pages) admitting `request` takes on its rank: its own pages for its feed and one more token, past
+        `shared` whole pages it starts with (a snapshot's), and those of its choices still to fork past the ones
+        they will share; its own alone when they could never fit together (those are then fed on their own)."""
+        own = math.ceil((len(request.feed) + 1) / self.engine.page_size) - shared
+        children = sum(map(self._to_fork, request.children))
+        slots, pages = 1 + children, own + children * self._child_pages(request)
+        if slots > self.max_running // self.engine.ranks or pages > self.engine.sizes["P"] // self.engine.ranks:
+            return 1, own
+        return slots, pages
 
-    def _make_room(self, rank: int, group: int, pages: int, keep: Sequence | None = None,
+    def _make_room(self, rank: int, slots: int, pages: int, keep: Sequence | None = None,
                    takes_over: bool = False) -> bool:
-        """Whether `rank` can run `group` more requests of `pages` pages each, beside what its running requests need
-        next (their decode tokens' pages; the slots and pages of their choices still to fork), releasing kept
-        sequences (never `keep`) until it can; `takes_over`: the first of them takes `keep` over (its slot and
-        pages count). No kept sequence is released when the running requests alone leave too few slots
-        (max_running)."""
+        """Whether `rank` can run `slots` more requests that take `pages` pages from the pool, beside what its
+        running requests need next (their decode tokens' pages; the slots and pages of their choices still to
+        fork), releasing kept sequences (never `keep`) until it can; `takes_over`: the first of them takes `keep`
+        over (its slot and pages count). No kept sequence is released when the running requests alone leave too
+        few slots (max_running)."""
         reserved_slots, reserved_pages = self._reserved(rank)
         running = sum(1 for r in self.running if self._rank(r) == rank)
-        if running + reserved_slots + group > self.max_running // self.engine.ranks:
+        if running + reserved_slots + slots > self.max_running // self.engine.ranks:
             return False
-        need_slots = reserved_slots + group - takes_over
-        need_pages = reserved_pages + group * pages - (len(keep.pages) if takes_over else 0)
+        need_slots = reserved_slots + slots - takes_over
+        need_pages = reserved_pages + pages - (len(keep.pages) if takes_over else 0)
         while len(self.engine.free_slots_by_rank[rank]) < need_slots or self._spare_pages(rank) < need_pages:
             if not self._evict(rank, keep=keep):
                 return False
@@ -269,16 +276,17 @@ class Scheduler:
         hit = self._continued(request)
         if hit is None:
             return False
-        rank, pages = self.engine.rank_of(hit.seq), math.ceil((len(request.feed) + 1) / self.engine.page_size)
-        if hit.shared:  # a copy: a slot, and the request's pages
-            if not self._make_room(rank, self._group(request), pages, keep=hit.seq):
+        rank = self.engine.rank_of(hit.seq)
+        if hit.shared:  # a copy: a slot, and the request's pages past the snapshot's whole ones (shared)
+            shared = hit.seq.length // self.engine.page_size
+            if not self._make_room(rank, *self._group(request, shared), keep=hit.seq):
                 return False
             request.seq = self.engine.fork(hit.seq)
             hit.hits += 1
             self.prefix_cache.remove(hit)
             self.prefix_cache.append(hit)  # most recently used
         else:  # taken over: its slot and pages are the request's now
-            if not self._make_room(rank, self._group(request), pages, keep=hit.seq, takes_over=True):
+            if not self._make_room(rank, *self._group(request), keep=hit.seq, takes_over=True):
                 return False
             self.prefix_cache.remove(hit)
             request.seq = hit.seq
@@ -321,7 +329,7 @@ class Scheduler:
             for child in parent.children:
                 if not self._to_fork(child):  # cancelled meanwhile
                     continue
-                pages, rank = math.ceil(len(child.prompt) / self.engine.page_size), self._rank(parent)
+                pages, rank = self._child_pages(parent), self._rank(parent)
                 while (pages > self._spare_pages(rank) or not self.engine.free_slots_by_rank[rank]) and \
                         self._evict(rank):
                     pass
@@ -559,7 +567,7 @@ class Scheduler:
             tokens = request.feed[:at]
             if any(kept.shared and kept.tokens == tokens for kept in self.prefix_cache):
                 continue
-            rank, pages = self._rank(request), math.ceil(at / self.engine.page_size)
+            rank, pages = self._rank(request), self.engine.fork_pages(request.seq)  # 0: its pages are whole
             reserved_slots, reserved_pages = self._reserved(rank)
             while (len(self.engine.free_slots_by_rank[rank]) <= reserved_slots or
                    self._spare_pages(rank) < reserved_pages + pages) and self._evict(rank):
@@ -588,9 +596,10 @@ class Scheduler:
             self.engine.release(self.prefix_cache.pop().seq)
 
     def kept(self) -> tuple[int, int]:
-        """(sequences, KV pages) the prefix cache holds."""
+        """(sequences, KV pages) the prefix cache holds: the pages only kept sequences hold (a snapshot's pages are
+        also those of the requests that started from it, while they run)."""
         entries = self.prefix_cache or ()
-        return len(entries), sum(len(kept.seq.pages) for kept in entries)
+        return len(entries), self.engine.pages_held([kept.seq for kept in entries])
 
     def stream(self, requests: Iterable[Request] = ()) -> Iterator[tuple[Request, int]]:
         """Submit `requests` and step until every submitted request has finished, yielding tokens as they come."""
