@@ -369,6 +369,45 @@ def test_requests_started_from_a_snapshot_share_its_pages(model):
     assert len(engine.free_pages) == 6 and not engine.page_holders.any() and len(engine.free_slots) == 4
 
 
+def test_the_next_turn_of_a_conversation_goes_before_new_ones(model):
+    """Five conversations of two turns, two running at once and one slot for kept sequences; a second turn is
+    submitted when its first finishes, behind first turns still waiting. Admitted in arrival order, each first turn
+    would release a kept sequence whose next turn is waiting; a next turn goes first instead and takes its sequence
+    over, so every second turn continues its first (5 hits), with the tokens made from scratch."""
+    engine = model.engine(CacheConfig(max_seqs=3, max_context=96, max_step_tokens=16))
+    scheduler = Scheduler(engine, prefix_cache=True, max_running=2)
+    firsts = [Request([(13 * i + 7 * k) % 480 + 9 for i in range(20)], 3, id=k) for k in range(5)]
+    seconds = []
+    for request, _ in scheduler.stream(firsts):
+        if request.finish_reason is not None and request in firsts:
+            seconds.append(Request(request.prompt + request.tokens + [5, 6], 3, id=10 + request.id))
+            scheduler.submit(seconds[-1])
+    assert len(seconds) == 5 and scheduler.prefix_hits == 5 and scheduler.snapshots == 0
+    scratch = model.engine(CacheConfig(max_seqs=1, max_context=96, max_step_tokens=16))
+    for request in firsts + seconds:
+        assert request.tokens == scratch.generate([request.prompt], 3)["tokens"][0]
+    scheduler.release_kept()
+    assert len(engine.free_slots) == 3 and len(engine.free_pages) == engine.sizes["P"]
+
+
+def test_continuations_pass_the_oldest_waiting_request_at_most_max_running_times(model):
+    """One request running at once: a conversation's turns continue each other while a new request waits; the
+    second turn passes it, the third does not (it has been passed max_running = 1 times) and waits behind it."""
+    engine = model.engine(CacheConfig(max_seqs=2, max_context=96, max_step_tokens=16))
+    scheduler = Scheduler(engine, prefix_cache=True, max_running=1)
+    turn, other, turns = Request(PROMPTS[1], 2, id=0), Request(PROMPTS[0], 2, id=9), []
+    scheduler.submit(turn)
+    scheduler.submit(other)
+    for request, _ in scheduler.stream():
+        if request.finish_reason is not None and request.id < 2:
+            turns.append(Request(request.prompt + request.tokens + [4], 2, id=request.id + 1))
+            scheduler.submit(turns[-1])
+    second, third = turns[:2]
+    assert second.first_token_at < other.first_token_at < third.first_token_at
+    assert scheduler.prefix_hits >= 1  # the second turn continued the first
+    scheduler.release_kept()
+
+
 def test_max_running_leaves_slots_only_kept_sequences_use(model):
     """Requests run at most max_running at once however many slots the engine has; a max_running the ranks cannot
     split, or above the slots, is refused."""

@@ -39,8 +39,9 @@ that starts with a snapshot's tokens gets a copy of it (the snapshot stays) and 
 while the snapshot is being prefilled waits for it. So the second prompt with a common prefix makes the snapshot
 and every later one skips the prefix. Kept sequences are released whenever admission, a fork or a step needs their
 slots or pages — before any request is preempted —, least recently used first, snapshots that prompts have started
-from last. `max_running` below the engine's slots leaves slots that only kept sequences use: a snapshot then
-survives a full batch (serve's --prefix-slots).
+from last; a waiting request that continues a kept finished sequence is admitted ahead of older ones (bounded:
+_admit_continuations). `max_running` below the engine's slots leaves slots that only kept sequences use: a snapshot
+then survives a full batch (serve's --prefix-slots).
 
 With data-parallel ranks (engine.ranks > 1) pages are counted per rank: a request is admitted when the rank it
 would go to has the pages, and the request preempted is the youngest on a rank whose plan outgrows its pool.
@@ -116,6 +117,7 @@ class Scheduler:
         self.prefix_hits = 0  # requests that continued a kept sequence or started from a snapshot
         self.prefix_hit_tokens = 0  # the prompt tokens those did not feed again
         self.snapshots = 0  # shared prefixes snapshotted so far
+        self._passed: tuple[Request | None, int] = (None, 0)  # the oldest waiting request, times a continuation passed it
         self._seen_pages: OrderedDict[int, None] = OrderedDict()  # chained hashes of admitted prompts' whole pages
         # requests running at once (at most the engine's slots); slots beyond it are only for kept sequences
         self.max_running = engine.cache_cfg.max_seqs if max_running is None else max_running
@@ -213,16 +215,43 @@ class Scheduler:
     def _admit(self) -> None:
         self._fork()
         self._snapshot()
+        self._admit_continuations()
         for request in list(self.waiting):  # oldest first
             if self._awaits_fork(request):
                 continue
-            if request.feed is None:
-                request.feed = list(request.prompt)
-                request.snapshot_at = self._shared_prefix(request)
+            self._prepare(request)
             if self._awaits_snapshot(request):
                 continue
             if not self._admitted(request):
                 break  # oldest first: later requests wait behind it rather than starve it
+
+    def _prepare(self, request: Request) -> None:
+        """A request's feed (its prompt) and snapshot point, when it is first considered for admission."""
+        if request.feed is None:
+            request.feed = list(request.prompt)
+            request.snapshot_at = self._shared_prefix(request)
+
+    def _admit_continuations(self) -> None:
+        """Admit, ahead of older requests, waiting requests that continue a finished sequence the prefix cache keeps
+        (the next turn of a conversation takes its last turn's slot and pages over): with more conversations than
+        slots, admitting first turns in arrival order would release, one after another, the very sequences whose
+        next turns are waiting (every turn fed again). Bounded: the oldest waiting request is passed at most
+        max_running times."""
+        if not self.prefix_cache or not self.waiting or len(self.running) >= self.max_running or \
+                all(kept.shared for kept in self.prefix_cache):
+            return
+        head = self.waiting[0]
+        if head is not self._passed[0]:
+            self._passed = (head, 0)
+        for request in list(self.waiting):
+            if self._passed[1] >= self.max_running or len(self.running) >= self.max_running:
+                return
+            if request.prompt_logprobs or self._awaits_fork(request):
+                continue
+            self._prepare(request)
+            hit = self._continued(request)
+            if hit is not None and not hit.shared and self._admitted(request) and request is not head:
+                self._passed = (head, self._passed[1] + 1)
 
     def _admitted(self, request: Request) -> bool:
         """Admit a waiting request if there is room — on a kept sequence its feed continues, on a copy of a snapshot
@@ -514,8 +543,9 @@ class Scheduler:
         if not self.prefix_cache or request.prompt_logprobs:
             return None
         feed = request.feed
-        hits = [kept for kept in self.prefix_cache
-                if len(kept.tokens) < len(feed) and feed[:len(kept.tokens)] == kept.tokens]
+        hits = [kept for kept in self.prefix_cache  # (the last token first: most mismatches cost no slice)
+                if len(kept.tokens) < len(feed) and feed[len(kept.tokens) - 1] == kept.tokens[-1] and
+                feed[:len(kept.tokens)] == kept.tokens]
         return max(hits, key=lambda kept: (len(kept.tokens), not kept.shared), default=None)
 
     def _shared_prefix(self, request: Request) -> int | None:
