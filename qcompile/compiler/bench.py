@@ -216,9 +216,7 @@ def run_bench(opts: BenchOptions, emit=print) -> dict:
         nonlocal hf_model
         for concurrency in opts.concurrency:
             num = opts.num_prompts or concurrency
-            prompts = make_prompts(num, input_len, vocab, opts.seed)
-            for prompt in prompts[1:]:
-                prompt[:opts.shared_prefix] = prompts[0][:opts.shared_prefix]
+            prompts = make_prompts(num, input_len, vocab, opts.seed, opts.shared_prefix)
             ranks = opts.mesh.size if opts.mesh is not None else 1  # whole slots per data-parallel rank
             context = input_len + opts.turns * output_len + (opts.turns - 1) * follow_up_len(input_len)
             requests = -(-concurrency // ranks) * ranks
@@ -244,10 +242,7 @@ def run_bench(opts: BenchOptions, emit=print) -> dict:
                 else:
                     done = [bench_engine(engine, "qcompile", build.label, prompts, output_len, concurrency, roofline,
                                          build.graph, target, lambda: None, opts.sampling)]
-                extra = {key: value for key, value in (("n", opts.n), ("turns", opts.turns),
-                                                       ("shared_prefix_len", opts.shared_prefix + 1)) if value > 1}
-                if "shared_prefix_len" in extra:
-                    extra["shared_prefix_len"] -= 1
+                extra = _workload_keys(opts)
                 for m in done:
                     experts = experts or m.experts_touched
                     runs.append({**m.to_json(), **extra, "memory": engine.memory(build.graph)})
@@ -322,8 +317,7 @@ def _bench_server(opts: BenchOptions, emit, input_len: int, output_len: int, sha
         for concurrency in opts.concurrency:
             runs.append(bench_url(opts.url, input_len, output_len, concurrency, opts.num_prompts or concurrency,
                                   opts.request_rate, opts.seed, opts.sampling, opts.shared_prefix))
-            if opts.shared_prefix:
-                runs[-1]["shared_prefix_len"] = opts.shared_prefix
+            runs[-1].update(_workload_keys(opts))
             _progress(runs[-1])
 
     return _reported(report, opts, emit, measure)
@@ -339,6 +333,13 @@ def _engine(art, build: Build, params, cache: CacheConfig, target: str, memory_b
     if art is not None:
         return Engine(art.program, art.params, art.cache_config, memory_budget=memory_budget)
     return Engine(build.graph, build.params, cache, target, memory_budget)
+
+
+def _workload_keys(opts: BenchOptions) -> dict:
+    """The run record's keys for the workload options given (docs/benchmarks.md): n, turns, shared_prefix_len."""
+    given = {"n": opts.n > 1, "turns": opts.turns > 1, "shared_prefix_len": opts.shared_prefix > 0}
+    values = {"n": opts.n, "turns": opts.turns, "shared_prefix_len": opts.shared_prefix}
+    return {key: values[key] for key, on in given.items() if on}
 
 
 def _progress(run: dict) -> None:

@@ -97,9 +97,7 @@ def bench_url(url: str, input_len: int, output_len: int, concurrency: int, num: 
         raise UsageError(f"--url {url}: /v1/models does not give vocab_size; bench --url needs it to make prompts")
     if context is not None and input_len + output_len > context:
         raise UsageError(f"{input_len}+{output_len} tokens exceed the server's context of {context}")
-    prompts = make_prompts(num, input_len, int(vocab), seed)
-    for prompt in prompts[1:]:
-        prompt[:shared_prefix] = prompts[0][:shared_prefix]
+    prompts = make_prompts(num, input_len, int(vocab), seed, shared_prefix)
     arrivals = arrival_times(num, float("inf") if rate is None else rate, seed)
     m = Measurement("qcompile-http", entry["id"], concurrency, input_len, output_len)
     log(f"{url}: {num} requests at concurrency {concurrency}")

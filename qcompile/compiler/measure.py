@@ -600,10 +600,14 @@ def load_transformers(checkpoint_dir: Path, dtype: str):
 # -- prompts and reporting -------------------------------------------------------------------------------------------
 
 
-def make_prompts(num: int, input_len: int, vocab: int, seed: int) -> list[list[int]]:
-    """Random prompts of a fixed seed (ids 3.. vocab-1: clear of the usual special ids 0-2)."""
+def make_prompts(num: int, input_len: int, vocab: int, seed: int, shared_prefix: int = 0) -> list[list[int]]:
+    """Random prompts of a fixed seed (ids 3.. vocab-1: clear of the usual special ids 0-2); every one starts with
+    the first's first `shared_prefix` tokens (bench --shared-prefix-len)."""
     rng = np.random.default_rng(seed)
-    return [rng.integers(3, vocab, input_len).tolist() for _ in range(num)]
+    prompts = [rng.integers(3, vocab, input_len).tolist() for _ in range(num)]
+    for prompt in prompts[1:]:
+        prompt[:shared_prefix] = prompts[0][:shared_prefix]
+    return prompts
 
 
 def workload_shape(workload: str, input_len: int | None, output_len: int | None, scale: int) -> tuple[int, int, str]:

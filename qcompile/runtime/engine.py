@@ -243,9 +243,8 @@ def _read_rows(arr, index, native_ok: bool):
 
 @functools.partial(jax.jit, donate_argnums=(0,), static_argnums=(5,))
 def _copy_sequence(caches, src_slot, dst_slot, src_pages, dst_pages, native_ok: bool = True):
-    """Every cache with a forked sequence's rows: its state slot and the KV pages given copied from the source's, in
-    place.
-    Page lists are padded with repeats of a pair (the same row written twice with the same value)."""
+    """Every cache with a forked sequence's rows: its state slot and the KV pages given (its partly written last
+    page, or a page onto itself) copied from the source's, in place."""
     out = {}
     for name, arr in caches.items():
         src, dst = (src_slot[None], dst_slot[None]) if name.endswith("_state") else (src_pages, dst_pages)
