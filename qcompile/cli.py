@@ -617,6 +617,12 @@ def init_tiny_cmd(directory, family, preset, seed, dtype, sparse, force):
               help="With --request-rate: every prompt starts with the same P of its --input-len tokens (a system "
                    "prompt); measured with serve's prefix cache (which snapshots the shared prefix) and without (with "
                    "--url: the server as it runs).")
+@click.option("--reasoning-len", "reasoning", default=0, show_default=True, metavar="R",
+              help="With --turns: each reply's first R tokens are reasoning that the next turn's prompt leaves out, as "
+                   "a thinking model's chat template (Qwen3.5's) drops earlier turns' thinking.")
+@click.option("--prefix-slots", type=click.IntRange(min=0), metavar="N",
+              help="With --turns or --shared-prefix-len: sequence slots beyond the concurrency that only the prefix "
+                   "cache uses, as serve's --prefix-slots [default: 1 per data-parallel rank].")
 @click.option("--passes", "passes_spec", default=None, metavar="SPEC", help="Passes of the build (default all).")
 @click.option("--compare", multiple=True, type=click.Choice(["transformers"]),
               help="Also run Hugging Face transformers eager on the same checkpoint, prompts and threads.")
@@ -641,7 +647,8 @@ def init_tiny_cmd(directory, family, preset, seed, dtype, sparse, force):
                    "CPU devices (simulated: they share its cores).")
 @_cluster_options
 def bench_cmd(source, url, workload, scale, input_len, output_len, concurrency, num_prompts, request_rate, choices, turns,
-              shared_prefix, passes_spec, compare, ablate, dtype, max_step_tokens, verify, seed, temperature, top_k, top_p,
+              shared_prefix, reasoning, prefix_slots, passes_spec, compare, ablate, dtype, max_step_tokens, verify,
+              seed, temperature, top_k, top_p,
               memory_budget, json_path, plot_path, mesh_spec, coordinator, num_processes, process_id, join_timeout):
     """Measure prefill/decode throughput, latency and % of roofline of CHECKPOINT (or an artifact), or of a running
     server with --url."""
@@ -682,7 +689,7 @@ def bench_cmd(source, url, workload, scale, input_len, output_len, concurrency, 
                         ablate=ablate, json_path=json_path, plot_path=plot_path, seed=seed, dtype=dtype,
                         max_step_tokens=max_step_tokens, verify=verify, memory_budget=memory_budget,
                         request_rate=request_rate, mesh=mesh, url=url, sampling=sampling, n=choices, turns=turns,
-                        shared_prefix=shared_prefix)
+                        shared_prefix=shared_prefix, reasoning=reasoning, prefix_slots=prefix_slots)
     run_bench(opts, emit=click.echo if leader else lambda *args, **kwargs: None)
 
 
@@ -725,8 +732,9 @@ def _artifact_request_slots(slots: int, prefix_slots: int, ranks: int) -> int:
                    "prompt continuing one — the next turn of a conversation — feeds only its new tokens, and "
                    "snapshots of the prefixes prompts share (a system prompt) that later prompts start from.")
 @click.option("--prefix-slots", type=click.IntRange(min=0), metavar="N",
-              help="Sequence slots beyond --max-seqs that only the prefix cache uses, so a shared prefix's snapshot "
-                   "survives a full batch (each holds one sequence's GDN state) [default: 1 with the prefix cache, "
+              help="Sequence slots beyond --max-seqs that only the prefix cache uses, so its snapshots (a shared "
+                   "prefix's; a thinking conversation's last prompt end: give about --max-seqs for many conversations) "
+                   "survive a full batch (each holds one sequence's GDN state) [default: 1 with the prefix cache, "
                    "rounded up to a multiple of the data-parallel ranks; an artifact: 0, and N are taken out of its "
                    "slots].")
 @click.option("--mesh", "mesh_spec", metavar="SPEC",

@@ -242,6 +242,26 @@ def test_conversations_are_measured_with_the_prefix_cache_and_without(tiny):
             run_bench(BenchOptions(**{**attrs.asdict(opts, recurse=False), **changes}), emit=lambda line: None)
 
 
+def test_conversations_that_leave_the_reasoning_out_are_measured(tiny):
+    """--turns 3 --reasoning-len 2: each later turn's prompt leaves the reply's first 2 tokens out (a thinking model's
+    template), so no turn continues a finished sequence; each second turn snapshots its own prompt's end (16 tokens
+    of 32) and each third turn starts there (two prefix-cache slots beside the two running). The run records the
+    reasoning length and the prefix-cache slots; --reasoning-len without --turns or past --output-len, and
+    --prefix-slots without a prefix-cache workload, are refused."""
+    opts = BenchOptions(source=tiny, input_len=20, output_len=6, concurrency=(2,), num_prompts=2,
+                        request_rate=math.inf, verify="none", max_step_tokens=16, turns=3, reasoning=2, prefix_slots=2)
+    result = run_bench(opts, emit=lambda line: None)
+    cached, uncached = result["runs"]
+    assert "each reply's first 2 tokens left out of the next turn's prompt" in result["shape"]
+    assert cached["prefix_cache"] == {"hits": 2, "hit_tokens": 2 * 16, "snapshots": 4}
+    for run in (cached, uncached):
+        assert (run["reasoning_len"], run["prefix_slots"], run["requests"]) == (2, 2, 6) and run["complete"]
+    for changes, flag in (({"turns": 1, "prefix_slots": None}, "--reasoning-len"),
+                          ({"reasoning": 7}, "--reasoning-len"), ({"turns": 1, "reasoning": 0}, "--prefix-slots")):
+        with pytest.raises(UsageError, match=flag):
+            run_bench(BenchOptions(**{**attrs.asdict(opts, recurse=False), **changes}), emit=lambda line: None)
+
+
 def test_prompts_sharing_a_prefix_are_measured_with_the_prefix_cache_and_without(tiny):
     """--shared-prefix-len 40: five prompts of 48 tokens that start with the same 40, two at a time (and a prefix-cache
     slot beside them): with the prefix cache the second prompt snapshots the prefix's two whole 16-token pages and

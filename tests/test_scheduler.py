@@ -83,10 +83,11 @@ def test_what_can_never_be_served_is_refused_when_submitted(model):
 
 @pytest.mark.parametrize("count", [pytest.param(40, id="40"), pytest.param(2000, id="2000", marks=pytest.mark.slow)])
 def test_a_soak_with_cancellations_loses_nothing_and_leaks_nothing(model, alone, count):
-    """Short requests over 6 prompts (each prompt's alone-tokens known; 40 in the default suite, 2000 in the slow
+    """Short requests over 7 prompts (each prompt's alone-tokens known; 40 in the default suite, 2000 in the slow
     tier), 4 slots (3 for requests) and a pool of 5 pages, so requests queue and get preempted; a run of one prompt is
-    linked as a request's choices (forked from the first's prefill, when they fit); finished sequences and a shared
-    first page's snapshots are kept (prefix cache) and released as later requests need the room; a third are
+    linked as a request's choices (forked from the first's prefill, when they fit); finished sequences, a shared
+    first page's snapshots and a conversation's prompt ends (its next turn leaves the reply out) are kept (prefix
+    cache) and released as later requests need the room; a third are
     cancelled — some while
     waiting, some mid-stream. Every request ends (length or cancelled, none lost), each uncancelled one made exactly
     its alone tokens (a cancelled one a prefix of them), and the slots and pages are all free again."""
@@ -96,15 +97,20 @@ def test_a_soak_with_cancellations_loses_nothing_and_leaks_nothing(model, alone,
     # it, so four running requests need four new pages with one free, and preemption is certain
     growing = [(5 * i + 40) % 500 + 3 for i in range(15)]
     sharing = PROMPTS[1][:16] + [9, 8, 7, 6]  # PROMPTS[1]'s first page: a prefix that gets snapshotted
-    prompts, new = [*PROMPTS, growing, sharing], [*NEW, 6, 4]
     single = model.engine(CacheConfig(max_seqs=1, max_context=64, max_step_tokens=16))
-    alone = [*alone, *(single.generate([p], n)["tokens"][0] for p, n in ((growing, 6), (sharing, 4)))]
+    # the next turn of a conversation that began with `sharing`, its reply's first 2 tokens left out (a thinking
+    # model's template): it snapshots its own prompt's end (32 tokens)
+    later = sharing + single.generate([sharing], 8)["tokens"][0][2:] + [5, 4, 3, 2, 1, 9, 8, 7, 6, 5]
+    prompts, new = [*PROMPTS, growing, sharing, later], [*NEW, 6, 8, 4]
+    alone = [*alone, *(single.generate([p], n)["tokens"][0] for p, n in ((growing, 6), (sharing, 8), (later, 4)))]
     engine = model.engine(CacheConfig(max_seqs=4, max_context=64, max_step_tokens=16, num_pages=5))
     forks, fork = [], engine.fork
     engine.fork = lambda source: forks.append(source.slot) or fork(source)
     # finished sequences and snapshots kept, then released for later requests; three requests run at most, the
     # fourth slot is the prefix cache's
     scheduler = Scheduler(engine, prefix_cache=True, max_running=3)
+    ends, take = [], scheduler._take_snapshot
+    scheduler._take_snapshot = lambda request, at, end: ends.append(end) or take(request, at, end)
     rng = np.random.default_rng(11)
     picks = np.concatenate([[4] * 4, rng.integers(0, len(prompts), count - 4)])
     requests = [Request(prompts[k], new[k], id=i) for i, k in enumerate(picks)]
@@ -129,7 +135,7 @@ def test_a_soak_with_cancellations_loses_nothing_and_leaks_nothing(model, alone,
     assert all(len(r.tokens) == 1 for r in requests if r.id in doomed and not r.id % 2 and r.tokens)
     assert sum(r.preemptions for r in requests) > 0 and not scheduler.cancel(requests[0])
     assert len(forks) >= count // 40, len(forks)  # runs of one prompt forked
-    assert scheduler.snapshots >= 1 and scheduler.prefix_hits >= count // 40
+    assert scheduler.snapshots >= 1 and scheduler.prefix_hits >= count // 40 and sum(ends) >= count // 400
     assert scheduler.kept()[0] >= 1
     scheduler.release_kept()
     assert len(engine.free_slots) == 4 and len(engine.free_pages) == 5
@@ -421,3 +427,131 @@ def test_max_running_leaves_slots_only_kept_sequences_use(model):
     for bad in (0, 4):
         with pytest.raises(UsageError, match="max_running"):
             Scheduler(engine, max_running=bad)
+
+
+def _conversation(scheduler, first, turns, new_tokens, history):
+    """Run a conversation of `turns` requests through `scheduler`, each sent when the one before finishes with the
+    prompt history(last request) + its next new tokens; returns the requests."""
+    requests = [first]
+    for request, _ in scheduler.stream([first]):
+        if request.finish_reason is not None and len(requests) < turns:
+            requests.append(Request(history(request) + new_tokens[len(requests) - 1], request.max_new_tokens,
+                                    id=len(requests)))
+            scheduler.submit(requests[-1])
+    return requests
+
+
+TURN_NEW = [[(5 * i + 3) % 400 + 20 for i in range(8 + 6 * k)] for k in range(3)]  # each later turn's new tokens
+
+
+@pytest.mark.parametrize("dropped", [0, 2])
+def test_a_turn_that_leaves_the_reply_out_starts_from_the_last_prompts_end(model, dropped):
+    """A thinking model's template renders earlier replies without their reasoning, so the next turn's prompt leaves
+    the last turn's sequence right at its prompt's end (or, `dropped`: a template whose generation prompt opened the
+    reasoning block, Qwen3.5's `<think>\\n`, leaves out the prompt's last tokens too); the only state it could start
+    from is the last prompt's end. Turn 2 recognises that it starts with the whole first prompt (but for `dropped`
+    tokens) and then leaves its sequence, so it stops its prefill at its own prompt's end (as many final tokens left
+    out, rounded down to a page), keeps a snapshot there in place of its finished sequence, and turn 3 takes it over
+    and feeds only the rest — the tokens made from scratch; one slot for the prefix cache is enough."""
+    engine = model.engine(CacheConfig(max_seqs=2, max_context=128, max_step_tokens=16))
+    fed = _fed_tokens(engine)
+    scheduler = Scheduler(engine, prefix_cache=True, max_running=1)
+    reasoning = 3  # the reply's first tokens, which the next turn's history leaves out
+
+    def history(request):
+        return request.prompt[:len(request.prompt) - dropped] + request.tokens[reasoning:]
+
+    first, second, third = _conversation(scheduler, Request(PROMPTS[1] + SHARED[:15], 8, id=0), 3, TURN_NEW,
+                                         history)
+    point, after = ((len(r.prompt) - max(dropped, 1)) // 16 * 16 for r in (second, third))
+    assert scheduler.snapshots == 2 and scheduler.prefix_hits == 1 and scheduler.prefix_hit_tokens == point
+    # the third feeds from the snapshot: 16-token chunks to its own snapshot point, the rest, then 7 decode tokens
+    steps = [16] * ((after - point) // 16) + [len(third.prompt) - after] + [1] * 7
+    assert fed[-len(steps):] == steps
+    # the third turn's own prompt end, for a fourth, in place of its finished sequence
+    assert [(len(k.tokens), k.shared, k.prompt_end) for k in scheduler.prefix_cache] == [(after, False, True)]
+    scratch = model.engine(CacheConfig(max_seqs=1, max_context=128, max_step_tokens=16))
+    for request in (first, second, third):
+        assert request.tokens == scratch.generate([request.prompt], 8)["tokens"][0]
+    scheduler.release_kept()
+    assert len(engine.free_slots) == 2 and len(engine.free_pages) == engine.sizes["P"]
+
+
+def test_a_turn_that_renders_the_reply_as_made_keeps_no_prompt_end(model):
+    """A template that renders the reply as the model made it: the next turn continues the finished sequence, and
+    no prompt-end snapshot is made — even when the finished sequence was released before the next turn came (it
+    is recognised by the finished sequence's tokens, remembered at the prompt's end; nor a snapshot of the pages it
+    shares with the last prompt: the next turn continues its own finished sequence) — nor for a prompt that starts
+    with only an earlier prompt's first pages, or leaves out more than MAX_DROPPED of its final tokens."""
+    engine = model.engine(CacheConfig(max_seqs=2, max_context=128, max_step_tokens=16))
+    scheduler = Scheduler(engine, prefix_cache=True, max_running=1)
+    _conversation(scheduler, Request(PROMPTS[1] + SHARED[:15], 4, id=0), 3, TURN_NEW,
+                  lambda request: request.prompt + request.tokens)
+    assert scheduler.prefix_hits == 2 and scheduler.snapshots == 0
+
+    def released(request):  # the finished sequence is gone when the next turn comes
+        scheduler.release_kept()
+        return request.prompt + request.tokens
+
+    start = Request(SHARED + [9, 8, 7], 4, id=0)
+    _conversation(scheduler, start, 2, TURN_NEW, released)
+    assert scheduler.prefix_hits == 2 and scheduler.snapshots == 0
+    assert [(k.shared, k.prompt_end) for k in scheduler.prefix_cache] == [(False, False)]  # its finished sequence
+    for keep in (len(start.prompt) - 5, 20):  # five final tokens left out; only the first page shared
+        scheduler.run([Request(start.prompt[:keep] + TURN_NEW[2], 2)])
+        assert not any(k.prompt_end for k in scheduler.prefix_cache)
+    scheduler.release_kept()
+
+
+def test_first_turns_snapshot_their_prompts_end_once_later_turns_leave_replies_out(model):
+    """Once the later turns seen leave their replies out (the server's template drops reasoning), a conversation's
+    first turn snapshots its own prompt's end too, in place of its finished sequence, and its second turn starts
+    there (it fed the whole first prompt before); the tokens are those made from scratch."""
+    engine = model.engine(CacheConfig(max_seqs=2, max_context=128, max_step_tokens=16))
+    scheduler = Scheduler(engine, prefix_cache=True, max_running=1)
+
+    def history(request):
+        return request.prompt + request.tokens[3:]
+
+    _conversation(scheduler, Request(SHARED + [1, 2, 3], 8, id=0), 2, TURN_NEW, history)
+    assert (scheduler.prefix_hits, scheduler.snapshots) == (0, 1)  # the second turn's own end
+    first, second = _conversation(scheduler, Request(PROMPTS[1] + SHARED[:15], 8, id=0), 2, TURN_NEW, history)
+    point = (len(first.prompt) - 1) // 16 * 16
+    assert scheduler.prefix_hits == 1 and scheduler.prefix_hit_tokens == point and scheduler.snapshots == 3
+    scratch = model.engine(CacheConfig(max_seqs=1, max_context=128, max_step_tokens=16))
+    for request in (first, second):
+        assert request.tokens == scratch.generate([request.prompt], 8)["tokens"][0]
+    scheduler.release_kept()
+    assert len(engine.free_slots) == 2 and len(engine.free_pages) == engine.sizes["P"]
+
+
+def test_a_prompt_end_is_not_released_for_another_and_unusable_sequences_are_not_kept(model):
+    """Two conversations, both running, one slot for the prefix cache; each later turn leaves the reply out. The
+    second turns reach their prompts' ends one after the other: the first keeps the slot and the other's end is not
+    snapshotted (a prompt end serves one next turn: releasing it for another's would serve none), and where replies
+    are left out no finished sequence is kept (no turn could continue it): the slots stay free for admissions, and
+    the third turn of the conversation that kept its end starts there."""
+    engine = model.engine(CacheConfig(max_seqs=3, max_context=128, max_step_tokens=16))
+    scheduler = Scheduler(engine, prefix_cache=True, max_running=2)
+    starts = [Request(PROMPTS[1] + SHARED[:15], 8, id=(0, 0)), Request(SHARED + TURN_NEW[2][:12], 8, id=(1, 0))]
+    turns, seconds, kept_after_second = [], [], None
+    for request, _ in scheduler.stream(starts):
+        conversation, turn = request.id
+        if request.finish_reason is None or turn == 2:
+            continue
+        seconds += [request] if turn == 1 else []
+        if turn == 1 and len(seconds) < 2:
+            continue
+        if turn == 1:
+            kept_after_second = [(len(k.tokens), k.prompt_end) for k in scheduler.prefix_cache]
+        for last in seconds if turn == 1 else [request]:  # the third turns once both second turns finished
+            turns.append(Request(last.prompt + last.tokens[3:] + TURN_NEW[last.id[1]], 8, id=(last.id[0], turn + 1)))
+            scheduler.submit(turns[-1])
+    points = [(len(r.prompt) - 1) // 16 * 16 for r in seconds]
+    assert sorted(points) == [48, 64] and kept_after_second == [(48, True)]  # the first to its end (shorter)
+    assert scheduler.prefix_hits == 1 and scheduler.prefix_hit_tokens == 48
+    scratch = model.engine(CacheConfig(max_seqs=1, max_context=128, max_step_tokens=16))
+    for request in starts + turns:
+        assert request.tokens == scratch.generate([request.prompt], 8)["tokens"][0]
+    scheduler.release_kept()
+    assert len(engine.free_slots) == 3 and len(engine.free_pages) == engine.sizes["P"]

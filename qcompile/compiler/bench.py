@@ -60,6 +60,8 @@ class BenchOptions:
     n: int = 1  # choices per prompt (scheduler only): measured sharing the prompt's prefill and without
     turns: int = 1  # requests per conversation (scheduler only): measured with the prefix cache and without
     shared_prefix: int = 0  # tokens every prompt starts with (scheduler or --url): with the prefix cache and without
+    reasoning: int = 0  # with turns: each reply's first tokens, which the next turn's prompt leaves out (thinking)
+    prefix_slots: int | None = None  # slots beyond the concurrency for the prefix cache (None: 1 per rank, as serve)
 
 
 def sampling_note(sampling: Sampling) -> str:
@@ -118,6 +120,14 @@ def _check_outputs(opts: BenchOptions) -> None:
         if value > 1 and (opts.request_rate is None or opts.url is not None):
             raise UsageError(f"{flag} serves through this process's scheduler: give --request-rate (inf: all at "
                              "once), without --url")
+    if opts.prefix_slots is not None:
+        if opts.prefix_slots < 0:
+            raise UsageError(f"--prefix-slots must be at least 0, got {opts.prefix_slots}")
+        if opts.url is not None or opts.request_rate is None or (opts.turns < 2 and not opts.shared_prefix):
+            raise UsageError("--prefix-slots sizes the prefix cache of this process's scheduler: give it with "
+                             "--request-rate and --turns or --shared-prefix-len, without --url")
+    if opts.reasoning and opts.turns < 2:
+        raise UsageError("--reasoning-len shapes the later turns of a conversation: give --turns 2 or more")
     if opts.n > 1 and (opts.turns > 1 or opts.shared_prefix):
         raise UsageError("--n measures shared prefills, --turns and --shared-prefix-len the prefix cache; give --n "
                          "alone")
@@ -153,6 +163,10 @@ def run_bench(opts: BenchOptions, emit=print) -> dict:
                          "prompt needs a token of its own)")
     if opts.shared_prefix:
         shape_note += f", every prompt starting with the same {opts.shared_prefix} tokens"
+    if not 0 <= opts.reasoning <= output_len:
+        raise UsageError(f"--reasoning-len must be in 0..{output_len} (the --output-len), got {opts.reasoning}")
+    if opts.reasoning:
+        shape_note += f", each reply's first {opts.reasoning} tokens left out of the next turn's prompt"
     if opts.url is not None:
         return _bench_server(opts, emit, input_len, output_len, shape_note)
     artifact = is_artifact(opts.source)
@@ -164,6 +178,8 @@ def run_bench(opts: BenchOptions, emit=print) -> dict:
         _check_transformers_loads(opts.source)
     if artifact and opts.dtype:
         raise UsageError("--dtype does not apply to an artifact: its dtype was fixed when it was compiled")
+    if artifact and opts.prefix_slots is not None:
+        raise UsageError("--prefix-slots does not apply to an artifact: its slots were fixed when it was compiled")
     if artifact and opts.mesh is not None:
         raise UsageError("--mesh does not apply to an artifact: its layout was fixed when it was compiled")
     started = time.perf_counter()
@@ -220,7 +236,9 @@ def run_bench(opts: BenchOptions, emit=print) -> dict:
             ranks = opts.mesh.size if opts.mesh is not None else 1  # whole slots per data-parallel rank
             context = input_len + opts.turns * output_len + (opts.turns - 1) * follow_up_len(input_len)
             requests = -(-concurrency // ranks) * ranks
-            kept = ranks if cached else 0  # a prefix-cache slot on each rank, as serve gives
+            # prefix-cache slots, rounded up to whole ones on each rank (default: one on each, as serve gives)
+            slots = 1 if opts.prefix_slots is None else opts.prefix_slots
+            kept = -(-slots // ranks) * ranks if cached else 0
             cache = CacheConfig(max_seqs=requests + kept, max_context=context, max_step_tokens=opts.max_step_tokens)
             experts: dict = {}
             for build in builds:
@@ -234,7 +252,7 @@ def run_bench(opts: BenchOptions, emit=print) -> dict:
                     done = [bench_engine_rate(engine, "qcompile" if share else off, build.label, prompts, output_len,
                                               concurrency, opts.request_rate, opts.seed, lambda: None, opts.sampling,
                                               opts.n, share, opts.turns, prefix_cache=share and cached,
-                                              max_running=requests)
+                                              max_running=requests, reasoning=opts.reasoning)
                             for share in (True, False)]
                 elif opts.request_rate is not None:
                     done = [bench_engine_rate(engine, "qcompile", build.label, prompts, output_len, concurrency,
@@ -242,7 +260,7 @@ def run_bench(opts: BenchOptions, emit=print) -> dict:
                 else:
                     done = [bench_engine(engine, "qcompile", build.label, prompts, output_len, concurrency, roofline,
                                          build.graph, target, lambda: None, opts.sampling)]
-                extra = _workload_keys(opts)
+                extra = {**_workload_keys(opts), **({"prefix_slots": kept} if cached else {})}
                 for m in done:
                     experts = experts or m.experts_touched
                     runs.append({**m.to_json(), **extra, "memory": engine.memory(build.graph)})
@@ -336,9 +354,12 @@ def _engine(art, build: Build, params, cache: CacheConfig, target: str, memory_b
 
 
 def _workload_keys(opts: BenchOptions) -> dict:
-    """The run record's keys for the workload options given (docs/benchmarks.md): n, turns, shared_prefix_len."""
-    given = {"n": opts.n > 1, "turns": opts.turns > 1, "shared_prefix_len": opts.shared_prefix > 0}
-    values = {"n": opts.n, "turns": opts.turns, "shared_prefix_len": opts.shared_prefix}
+    """The run record's keys for the workload options given (docs/benchmarks.md): n, turns, shared_prefix_len,
+    reasoning_len."""
+    given = {"n": opts.n > 1, "turns": opts.turns > 1, "shared_prefix_len": opts.shared_prefix > 0,
+             "reasoning_len": opts.reasoning > 0}
+    values = {"n": opts.n, "turns": opts.turns, "shared_prefix_len": opts.shared_prefix,
+              "reasoning_len": opts.reasoning}
     return {key: values[key] for key, on in given.items() if on}
 
 

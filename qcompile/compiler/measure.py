@@ -327,7 +327,7 @@ def follow_up_len(input_len: int) -> int:
 def bench_engine_rate(engine, label: str, passes: str, prompts: list[list[int]], output_len: int, concurrency: int,
                       rate: float, seed: int, stop, sampling: Sampling = GREEDY, n: int = 1,
                       share: bool = True, turns: int = 1, prefix_cache: bool = False,
-                      max_running: int | None = None) -> Measurement:
+                      max_running: int | None = None, reasoning: int = 0) -> Measurement:
     """Serve `prompts` as requests arriving at `rate` per second (Poisson, seeded) through the continuous-batching
     scheduler (runtime/scheduler.py): at most `concurrency` run at once, the others wait; each request's TTFT runs
     from its arrival. Every token bucket is compiled first (untimed), so no compile lands inside the run. Steps mix
@@ -337,6 +337,8 @@ def bench_engine_rate(engine, label: str, passes: str, prompts: list[list[int]],
     `turns`: each prompt opens a conversation of that many requests, each sent when the one before finishes, its
     prompt the one before's, its reply and follow_up_len new (seeded random) tokens — served with the scheduler's
     prefix cache on (`prefix_cache`, as `serve` runs; it also snapshots prefixes prompts share) or off.
+    `reasoning`: the next turn's prompt leaves out each reply's first that many tokens, as a thinking model's chat
+    template drops earlier turns' reasoning (Qwen3.5's does): the conversation's ids agree up to the last prompt's end.
     `max_running`: requests run at once, below the engine's slots where it has prefix-cache slots (as serve's)."""
     from qcompile.runtime.scheduler import Request, Scheduler
 
@@ -373,7 +375,7 @@ def bench_engine_rate(engine, label: str, passes: str, prompts: list[list[int]],
                     if request.finish_reason == "length" and request.id % turns < turns - 1:
                         first = prompts[request.id // turns]
                         new = follow.choice(first, follow_up_len(len(first))).tolist()
-                        turn = Request(request.prompt + request.tokens + new, output_len, id=request.id + 1,
+                        turn = Request(request.prompt + request.tokens[reasoning:] + new, output_len, id=request.id + 1,
                                        sampling=request_sampling(sampling, len(prompts) + request.id))
                         scheduler.submit(turn)
                         arrived[turn.id] = time.perf_counter()

@@ -43,6 +43,17 @@ from last; a waiting request that continues a kept finished sequence is admitted
 _admit_continuations). `max_running` below the engine's slots leaves slots that only kept sequences use: a snapshot
 then survives a full batch (serve's --prefix-slots).
 
+A thinking model's chat template renders earlier replies without their reasoning, so a conversation's next turn
+leaves the last turn's sequence right at its prompt's end (or a few tokens before: Qwen3.5's generation prompt opens
+the reasoning block) and never continues a finished sequence. A prompt that starts with an earlier prompt (but for at
+most MAX_DROPPED final tokens) and then holds the end of that prompt's reply is such a later turn: it stops its
+prefill at its own prompt's end (as many final tokens left out, rounded down to a page) for a snapshot that is kept in
+place of its finished sequence, and its next turn takes it over — each turn feeds only the last reply and the new
+message (vLLM keeps hybrid models' states at block ends for the same reason). Once most later turns seen lately left
+their replies out, first turns snapshot their prompt's end too, and finished sequences are no longer kept. A prompt
+end serves one turn: making one releases neither a snapshot prompts started from nor another conversation's end
+while the request that made that end still runs.
+
 With data-parallel ranks (engine.ranks > 1) pages are counted per rank: a request is admitted when the rank it
 would go to has the pages, and the request preempted is the youngest on a rank whose plan outgrows its pool.
 
@@ -91,21 +102,51 @@ class Request:
     children: list = attrs.Factory(list)  # requests waiting to fork from this one's prefill
     # where its prefill stops for a snapshot of a prefix earlier prompts shared (the prefix cache); None: no stop
     snapshot_at: int | None = None
+    # a later turn of a conversation whose template leaves the last reply out (a thinking model's drops its
+    # reasoning): where its prefill stops for a snapshot of its own prompt's end, which the next turn will start
+    # with; once made, that snapshot is kept in place of its finished sequence (`prompt_end_kept`)
+    prompt_end_at: int | None = None
+    prompt_end_kept: bool = False
+    # its prompt continues an earlier prompt and its reply (_turn_end): "left out" or "rendered"; None: no later turn
+    later_turn: str | None = None
 
 
 @attrs.define(eq=False)
 class Kept:
-    """A sequence the prefix cache holds: its cache holds exactly `tokens`. A finished request's (taken over by the
-    prompt that continues it) or a `shared` snapshot of a common prefix (copied for each prompt that starts with it)."""
+    """A sequence the prefix cache holds: its cache holds exactly `tokens`. A finished request's, or the state at a
+    prompt's end kept in its place (`prompt_end`; the next turn of a conversation that leaves the reply out starts
+    there) — each taken over by the prompt that continues it —, or a `shared` snapshot of a common prefix (copied for
+    each prompt that starts with it)."""
 
     tokens: list[int]
     seq: Sequence
     shared: bool = False
+    prompt_end: bool = False
     hits: int = 0  # prompts that started from it (a snapshot)
+    made_by: Request | None = None  # the request whose prompt's end it is (a prompt-end snapshot)
 
 
 #: Page hashes remembered for finding prefixes that prompts share (about 100 bytes each).
 SEEN_PAGES = 1 << 16
+#: Prompts (and their finished sequences) remembered per page they end after.
+ENDS_PER_PAGE = 8
+#: A later turn may leave out this many of the last prompt's final tokens and still continue it: Qwen3.5's thinking
+#: template opens the reasoning block in the generation prompt (`<think>\n`) and renders earlier replies without it.
+MAX_DROPPED = 4
+#: A later turn's prompt shows it continues a reply by holding the reply's last this many tokens.
+REPLY_END = 4
+#: Later turns whose kind (replies left out or not) decides whether first turns snapshot their prompt's end.
+TURNS_REMEMBERED = 16
+
+
+@attrs.frozen
+class PageEnds:
+    """What ended after a remembered page: the tails (tokens past the page) of the prompts whose last whole page
+    before their last token it is, and of their finished requests: (length, hash) of the cached tokens past the
+    page, the reply's last REPLY_END tokens and the reply's length."""
+
+    tails: tuple[tuple[int, ...], ...] = ()
+    finished: tuple[tuple[int, int, tuple[int, ...], int], ...] = ()
 
 
 class Scheduler:
@@ -118,7 +159,12 @@ class Scheduler:
         self.prefix_hit_tokens = 0  # the prompt tokens those did not feed again
         self.snapshots = 0  # shared prefixes snapshotted so far
         self._passed: tuple[Request | None, int] = (None, 0)  # the oldest waiting request, times a continuation passed it
-        self._seen_pages: OrderedDict[int, None] = OrderedDict()  # chained hashes of admitted prompts' whole pages
+        # whether each of the latest later turns left its last reply out (_turn_end), and how many of the last
+        # prompt's final tokens the latest that did left out too
+        self._turns_left_reply_out: deque[bool] = deque(maxlen=TURNS_REMEMBERED)
+        self._dropped = 0
+        # chained hashes of admitted prompts' whole pages -> what ended after that page (None: nothing)
+        self._seen_pages: OrderedDict[int, PageEnds | None] = OrderedDict()
         # requests running at once (at most the engine's slots); slots beyond it are only for kept sequences
         self.max_running = engine.cache_cfg.max_seqs if max_running is None else max_running
         if not 0 < self.max_running <= engine.cache_cfg.max_seqs or self.max_running % engine.ranks:
@@ -226,10 +272,14 @@ class Scheduler:
                 break  # oldest first: later requests wait behind it rather than starve it
 
     def _prepare(self, request: Request) -> None:
-        """A request's feed (its prompt) and snapshot point, when it is first considered for admission."""
+        """A request's feed (its prompt) and snapshot point, when it is first considered for admission: the end of
+        the prefix it shares with earlier prompts, or — a later turn of a conversation that leaves the last reply out
+        (_turn_end) — its own prompt's end, for its next turn. (A first turn's prompt end: _first_turn_end, when it
+        is admitted.)"""
         if request.feed is None:
             request.feed = list(request.prompt)
-            request.snapshot_at = self._shared_prefix(request)
+            shared, request.prompt_end_at, request.later_turn = self._shared_prefix(request)
+            request.snapshot_at = shared or None
 
     def _admit_continuations(self) -> None:
         """Admit, ahead of older requests, waiting requests that continue a finished sequence the prefix cache keeps
@@ -268,6 +318,10 @@ class Scheduler:
             self.running.append(request)
         if request.snapshot_at is not None and request.snapshot_at <= request.prefilled:
             request.snapshot_at = None  # what it starts from covers the shared prefix already
+        if request.prompt_end_at is None and request.later_turn is None and not request.preemptions:
+            request.prompt_end_at = self._first_turn_end(request)
+        if request.prompt_end_at is not None and request.prompt_end_at < request.prefilled:
+            request.prompt_end_at = None  # (at it, a resent prompt took its own snapshot over: _snapshot copies it)
         return True
 
     def _group(self, request: Request, shared: int = 0) -> tuple[int, int]:
@@ -401,8 +455,10 @@ class Scheduler:
             rest = len(request.feed) - request.prefilled
             if request.children and request.prefilled < self._fork_point(request):  # stop where its children fork
                 rest = self._fork_point(request) - request.prefilled
-            if request.snapshot_at is not None and request.prefilled < request.snapshot_at:  # and at a snapshot
-                rest = min(rest, request.snapshot_at - request.prefilled)
+            stops = [at for at in (request.snapshot_at, request.prompt_end_at)
+                     if at is not None and at > request.prefilled]
+            if stops:  # and at a snapshot
+                rest = min(rest, min(stops) - request.prefilled)
             if rest and left > 0:
                 take = min(rest, left)
                 plan.append((request, request.feed[request.prefilled:request.prefilled + take],
@@ -529,12 +585,25 @@ class Scheduler:
 
     def _retire(self, request: Request) -> None:
         """A finished request's sequence: kept (prefix cache) with the tokens its cache holds — its prompt and
-        tokens up to its length, which counts a token a step launched ahead fed it — or released."""
+        tokens up to its length, which counts a token a step launched ahead fed it — or released: without the
+        prefix cache, where its prompt's end is kept instead (the conversation's next turn leaves this reply out),
+        or where most later turns leave their replies out (no turn would continue it; unless it is a turn that
+        rendered one as made). What it holds is remembered after its prompt's last page either way (_turn_end: a
+        next turn that continues it renders the reply as made)."""
         seq = request.seq
         if self.prefix_cache is None or request.prompt_logprobs or seq.length < 2:
             self.engine.release(seq)
             return
-        self.prefix_cache.append(Kept((list(request.prompt) + list(request.tokens))[:seq.length], seq))
+        tokens = (list(request.prompt) + list(request.tokens))[:seq.length]
+        digests = self._page_digests(request.prompt, len(request.prompt) - 1)
+        if digests and digests[-1] in self._seen_pages:
+            past = tokens[len(digests) * self.engine.page_size:]
+            self._mark(digests[-1], finished=(len(past), hash(tuple(past)), tuple(request.tokens[-REPLY_END:]),
+                                              len(request.tokens)))
+        if request.prompt_end_kept or (self._replies_left_out() and request.later_turn != "rendered"):
+            self.engine.release(seq)  # (where replies are left out, no later turn can continue it)
+            return
+        self.prefix_cache.append(Kept(tokens, seq))
 
     def _continued(self, request: Request) -> Kept | None:
         """The kept sequence whose tokens the request's feed starts with (the longest, a finished one before a
@@ -548,24 +617,99 @@ class Scheduler:
                 feed[:len(kept.tokens)] == kept.tokens]
         return max(hits, key=lambda kept: (len(kept.tokens), not kept.shared), default=None)
 
-    def _shared_prefix(self, request: Request) -> int | None:
-        """Where a newly admitted prompt should stop for a snapshot: the end of the longest run of whole pages it
-        starts with that an earlier prompt started with too (None: none, or not even one page); its pages are
-        remembered for later prompts. A page's hash chains the hashes before it, so equal hashes mean equal
-        prefixes (a collision costs a useless snapshot, never a wrong token: a hit compares the tokens)."""
+    def _page_digests(self, tokens: list[int], end: int) -> list[int]:
+        """Chained hashes of the whole pages of `tokens` that end at or before `end`: each chains the ones before
+        it, so equal hashes mean equal prefixes (as vLLM's block hashes; a collision costs a useless snapshot, never
+        a wrong token: a hit compares the tokens)."""
+        page, digest, digests = self.engine.page_size, 0, []
+        for start in range(0, end - page + 1, page):
+            digest = hash((digest, *tokens[start:start + page]))
+            digests.append(digest)
+        return digests
+
+    def _mark(self, digest: int, tail: tuple[int, ...] | None = None, finished: tuple | None = None):
+        """Remember that a prompt ended after page `digest` with `tail`, or that its request finished with
+        `finished` (PageEnds; the latest ENDS_PER_PAGE of each)."""
+        ends = self._seen_pages[digest] or PageEnds()
+        if tail is not None:
+            ends = attrs.evolve(ends, tails=(*(t for t in ends.tails if t != tail), tail)[-ENDS_PER_PAGE:])
+        if finished is not None:
+            kept = (*(f for f in ends.finished if f != finished), finished)
+            ends = attrs.evolve(ends, finished=kept[-ENDS_PER_PAGE:])
+        self._seen_pages[digest] = ends
+
+    def _shared_prefix(self, request: Request) -> tuple[int, int | None, str | None]:
+        """For a newly admitted prompt: where it stops for a snapshot of a prefix it shares — the end of the longest
+        run of whole pages before its last token (fed after a snapshot) that it starts with and an earlier prompt
+        did too; 0: not one page, or it is a later turn of a conversation (that point is about the last prompt's end,
+        which no later turn starts from) —, its prompt-end snapshot point and whether it is a later turn (_turn_end).
+        Its pages, and where it ends, are remembered for later prompts."""
         if self.prefix_cache is None or request.prompt_logprobs:
-            return None
-        page, seen, shared, digest = self.engine.page_size, self._seen_pages, 0, 0
-        for start in range(0, len(request.prompt) - page, page):  # a page before the last token: it is fed after
-            digest = hash((digest, *request.prompt[start:start + page]))
-            if digest in seen:  # so was every page before it (the chain)
+            return 0, None, None
+        prompt, page, seen = request.prompt, self.engine.page_size, self._seen_pages
+        digests = self._page_digests(prompt, len(prompt) - 1)
+        # the chain: every page before a seen one was seen
+        matched = next((index + 1 for index in range(len(digests) - 1, -1, -1) if digests[index] in seen), 0)
+        end_at, turn = self._turn_end(prompt, digests[:matched])
+        for digest in digests:
+            if digest in seen:
                 seen.move_to_end(digest)
-                shared = start + page
             else:
                 seen[digest] = None
         while len(seen) > SEEN_PAGES:
             seen.popitem(last=False)
-        return shared or None
+        if digests:
+            self._mark(digests[-1], tail=tuple(prompt[len(digests) * page:]))
+        return (0 if turn else matched * page), end_at, turn
+
+    def _turn_end(self, prompt: list[int], agreeing: list[int]) -> tuple[int | None, str | None]:
+        """Where a prompt that continues a conversation whose template leaves the last reply out should stop for a
+        snapshot of its own end, which its next turn will start with (None: it does not), and whether it is a later
+        turn of a conversation that left the last reply out or rendered it as made (None: no later turn). A GDN state is only reusable at the end of what it summarised; a thinking
+        model's template renders earlier replies without their reasoning, so the next turn's prompt leaves the
+        reply (and the finished sequence) right at the last prompt's end — there, and only there, is a state it can
+        start from. A later turn is recognised by the longest earlier prompt it starts with (`agreeing`: the hashes
+        of the pages it shares with earlier prompts): all of it but at most MAX_DROPPED final tokens, and then, within
+        the reply's length, that prompt's reply's last REPLY_END tokens (another prompt sharing all but a short last
+        message does not hold a reply the model made). If it holds the whole finished sequence, the template
+        renders the reply as made (the finished sequence is the one to continue: no point). The point leaves out as
+        many final tokens as this prompt left out of the last one, rounded down to a page."""
+        page = self.engine.page_size
+        for index in range(len(agreeing) - 1, -1, -1):
+            ends = self._seen_pages[agreeing[index]]
+            if ends is None or not ends.tails:
+                continue
+            start = (index + 1) * page
+            for tail in ends.tails:
+                agreed = next((i for i, (a, b) in enumerate(zip(tail, prompt[start:])) if a != b),
+                              min(len(tail), len(prompt) - start))
+                dropped, left = len(tail) - agreed, start + agreed
+                if dropped > MAX_DROPPED or left >= len(prompt):
+                    continue
+                for length, held, reply_end, reply_length in ends.finished:
+                    if start + length < len(prompt) and hash(tuple(prompt[start:start + length])) == held:
+                        self._turns_left_reply_out.append(False)
+                        return None, "rendered"
+                    if _holds(prompt[left:left + reply_length + MAX_DROPPED], reply_end):
+                        self._turns_left_reply_out.append(True)
+                        self._dropped = dropped
+                        return (len(prompt) - max(dropped, 1)) // page * page, "left out"
+        return None, None
+
+    def _replies_left_out(self) -> bool:
+        """Whether most later turns seen lately left their last reply out (the model's template drops reasoning)."""
+        return sum(self._turns_left_reply_out) * 2 > len(self._turns_left_reply_out)
+
+    def _first_turn_end(self, request: Request) -> int | None:
+        """Where a newly admitted prompt that is no later turn (a conversation's first, as far as the prefix cache
+        can tell) stops for a snapshot of its own end, kept in place of its finished sequence: only where most later
+        turns seen by then left their last reply out (the model's template drops reasoning, so this prompt's next
+        turn will too), leaving out as many final tokens as the last of them did; None otherwise."""
+        if self.prefix_cache is None or request.prompt_logprobs or not self._replies_left_out():
+            return None
+        page = self.engine.page_size
+        at = (len(request.prompt) - max(self._dropped, 1)) // page * page
+        return at if at > request.prefilled else None
 
     def _awaits_snapshot(self, request: Request) -> bool:
         """Whether a waiting request starts with the prefix a running request is prefilling toward a snapshot of
@@ -585,35 +729,51 @@ class Scheduler:
 
     def _snapshot(self) -> None:
         """Copy every running request whose prefill stands at its snapshot point (launched: the copy follows that
-        step on the device) into a kept snapshot, unless one holds that prefix already; where its rank has no
-        slot or pages even after releasing older kept sequences, it is not taken."""
+        step on the device) into a kept snapshot — of a prefix prompts share (copied by each prompt that starts
+        with it), or of its prompt's end (taken over by its next turn; kept in place of its finished sequence) —,
+        unless one holds those tokens already; where its rank has no slot or pages even after releasing older kept
+        sequences, it is not taken."""
         for request in self.running:
-            at = request.snapshot_at
-            if at is None or request.prefilled < at:
-                continue
-            request.snapshot_at = None
-            if request.prefilled != at or request.seq.length != at:
-                continue
-            tokens = request.feed[:at]
-            if any(kept.shared and kept.tokens == tokens for kept in self.prefix_cache):
-                continue
-            rank, pages = self._rank(request), self.engine.fork_pages(request.seq)  # 0: its pages are whole
-            reserved_slots, reserved_pages = self._reserved(rank)
-            while (len(self.engine.free_slots_by_rank[rank]) <= reserved_slots or
-                   self._spare_pages(rank) < reserved_pages + pages) and self._evict(rank):
-                pass
-            if len(self.engine.free_slots_by_rank[rank]) > reserved_slots and \
-                    self._spare_pages(rank) >= reserved_pages + pages:
-                self.prefix_cache.append(Kept(tokens, self.engine.fork(request.seq), shared=True))
-                self.snapshots += 1
+            for end in (False, True):  # a shared prefix's point comes before the prompt's end
+                at = request.prompt_end_at if end else request.snapshot_at
+                if at is None or request.prefilled < at:
+                    continue
+                if end:
+                    request.prompt_end_at = None
+                else:
+                    request.snapshot_at = None
+                if request.prefilled == at and request.seq.length == at:
+                    self._take_snapshot(request, at, end)
 
-    def _evict(self, rank: int, keep: Sequence | None = None) -> bool:
+    def _take_snapshot(self, request: Request, at: int, end: bool) -> None:
+        """Fork `request`'s sequence, which holds its feed up to `at`, into the prefix cache (`end`: its prompt's
+        end, else a shared prefix), releasing older kept sequences for the slot and pages."""
+        tokens = request.feed[:at]
+        if any(kept.tokens == tokens for kept in self.prefix_cache):
+            return
+        rank, pages = self._rank(request), self.engine.fork_pages(request.seq)  # 0: its pages are whole
+        reserved_slots, reserved_pages = self._reserved(rank)
+        # a prompt's end serves one next turn: it does not release a snapshot prompts have started from, nor another
+        # conversation's prompt end while the request that made it runs (else, with more conversations running than
+        # slots, they release one another before any next turn comes)
+        while (len(self.engine.free_slots_by_rank[rank]) <= reserved_slots or
+               self._spare_pages(rank) < reserved_pages + pages) and self._evict(rank, used=not end, ends=not end):
+            pass
+        if len(self.engine.free_slots_by_rank[rank]) > reserved_slots and \
+                self._spare_pages(rank) >= reserved_pages + pages:
+            self.prefix_cache.append(Kept(tokens, self.engine.fork(request.seq), shared=not end, prompt_end=end,
+                                          made_by=request if end else None))
+            request.prompt_end_kept = end
+            self.snapshots += 1
+
+    def _evict(self, rank: int, keep: Sequence | None = None, used: bool = True, ends: bool = True) -> bool:
         """Release a kept sequence on `rank` (but `keep`): the least recently used finished sequence or snapshot no
-        prompt has started from yet, else the least recently used snapshot that prompts have started from (a
-        finished sequence serves at most its next turn, a snapshot in use every prompt with its prefix); False when
-        it keeps none."""
+        prompt has started from yet, else (unless not `used`) the least recently used snapshot that prompts have
+        started from (a finished sequence serves at most its next turn, a snapshot in use every prompt with its
+        prefix); unless `ends`, not a prompt-end snapshot whose request still runs; False when it keeps none."""
         candidates = [index for index, kept in enumerate(self.prefix_cache or ())
-                      if self.engine.rank_of(kept.seq) == rank and kept.seq is not keep]
+                      if self.engine.rank_of(kept.seq) == rank and kept.seq is not keep and (used or not kept.hits)
+                      and (ends or kept.made_by is None or kept.made_by.finish_reason is not None)]
         if not candidates:
             return False
         index = next((i for i in candidates if not self.prefix_cache[i].hits), candidates[0])
@@ -646,3 +806,11 @@ class Scheduler:
         for _ in self.stream(requests):
             pass
         return requests
+
+
+def _holds(tokens: list[int], part: tuple[int, ...]) -> bool:
+    """Whether `part` occurs in `tokens` (a later turn's prompt holding the last reply's end)."""
+    if not part:
+        return False
+    first, size = part[0], len(part)
+    return any(tokens[i:i + size] == list(part) for i in range(len(tokens) - size + 1) if tokens[i] == first)
