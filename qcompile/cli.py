@@ -612,7 +612,7 @@ def init_tiny_cmd(directory, family, preset, seed, dtype, sparse, force):
 @click.option("--turns", default=1, show_default=True, metavar="K",
               help="With --request-rate: each prompt opens a conversation of K requests, each sent when the one "
                    "before finishes with its prompt, reply and new tokens; measured with serve's prefix cache and "
-                   "without.")
+                   "without (with --url: the server as it runs).")
 @click.option("--shared-prefix-len", "shared_prefix", default=0, show_default=True, metavar="P",
               help="With --request-rate: every prompt starts with the same P of its --input-len tokens (a system "
                    "prompt); measured with serve's prefix cache (which snapshots the shared prefix) and without (with "

@@ -860,6 +860,16 @@ def test_bench_url_measures_the_server_with_the_in_process_metrics(server):
     assert report["runs"][0]["shared_prefix_len"] == 18 and report["runs"][0]["requests"] == 4
     assert _metric(server, "qcompile_prefix_cache_hits") >= hits + 2
     server.wait_pool_full()
+    # conversations: two of three turns, each later turn the last prompt, the streamed reply and new tokens; every
+    # later turn continues its last turn's kept sequence (4 hits)
+    hits = _metric(server, "qcompile_prefix_cache_hits")
+    report = run_bench(BenchOptions(source=None, url=server.url, input_len=6, output_len=3, concurrency=(2,),
+                                    num_prompts=2, turns=3, seed=4), emit=lambda line: None)
+    assert (report["runs"][0]["turns"], report["runs"][0]["requests"]) == (3, 6) and report["runs"][0]["complete"]
+    assert _metric(server, "qcompile_prefix_cache_hits") == hits + 4
+    server.wait_pool_full()
+    with pytest.raises(UsageError, match="context"):  # 6 + 3 × 12 + 2 × 8 tokens
+        run_bench(BenchOptions(source=None, url=server.url, input_len=6, output_len=12, concurrency=(1,), turns=3))
     with pytest.raises(UsageError, match="no OpenAI-compatible server"):
         run_bench(BenchOptions(source=None, url="http://127.0.0.1:9", input_len=4, output_len=2, concurrency=(1,)))
     with pytest.raises(UsageError, match="context"):

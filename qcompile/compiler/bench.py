@@ -116,10 +116,12 @@ def _check_outputs(opts: BenchOptions) -> None:
     if opts.shared_prefix and opts.request_rate is None and opts.url is None:
         raise UsageError("--shared-prefix-len serves through the scheduler: give --request-rate (inf: all at once), or "
                          "--url of a running server")
-    for flag, value in (("--n", opts.n), ("--turns", opts.turns)):
-        if value > 1 and (opts.request_rate is None or opts.url is not None):
-            raise UsageError(f"{flag} serves through this process's scheduler: give --request-rate (inf: all at "
-                             "once), without --url")
+    if opts.n > 1 and (opts.request_rate is None or opts.url is not None):
+        raise UsageError("--n serves through this process's scheduler: give --request-rate (inf: all at once), "
+                         "without --url")
+    if opts.turns > 1 and opts.request_rate is None and opts.url is None:
+        raise UsageError("--turns serves through the scheduler: give --request-rate (inf: all at once), or --url of a "
+                         "running server")
     if opts.prefix_slots is not None:
         if opts.prefix_slots < 0:
             raise UsageError(f"--prefix-slots must be at least 0, got {opts.prefix_slots}")
@@ -334,7 +336,8 @@ def _bench_server(opts: BenchOptions, emit, input_len: int, output_len: int, sha
     def measure() -> None:
         for concurrency in opts.concurrency:
             runs.append(bench_url(opts.url, input_len, output_len, concurrency, opts.num_prompts or concurrency,
-                                  opts.request_rate, opts.seed, opts.sampling, opts.shared_prefix))
+                                  opts.request_rate, opts.seed, opts.sampling, opts.shared_prefix, opts.turns,
+                                  opts.reasoning))
             runs[-1].update(_workload_keys(opts))
             _progress(runs[-1])
 

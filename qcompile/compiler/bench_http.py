@@ -3,7 +3,10 @@ that returns `token_ids`) with the same metrics as the in-process bench.
 
 The same seeded random prompts as the in-process bench (ids, sent as token ids), arriving at `--request-rate` per
 second (Poisson, seeded; inf: all at once) with at most `--concurrency` in flight; each is a streamed
-/v1/completions request for exactly output_len tokens (ignore_eos, greedy). Times are taken when each server-sent
+/v1/completions request for exactly output_len tokens (ignore_eos, greedy). With `--turns K` each prompt opens a
+conversation of K requests, each sent when the one before has finished, its prompt the last one, the reply's ids as
+the server streamed them (less `--reasoning-len` first ones) and new tokens — whatever prefix caching the server
+does. Times are taken when each server-sent
 event arrives: TTFT from the request's arrival, ITL between events, E2E latency, and output tok/s over the whole run.
 Prefill and decode are not separable through the API (null in the report), and there is no roofline: the client
 does not know the model's graph. Comparing this with the in-process bench at the same concurrency is the HTTP
@@ -16,7 +19,10 @@ import asyncio
 import json
 import time
 
-from qcompile.compiler.measure import Measurement, arrival_times, log, make_prompts, request_sampling
+import numpy as np
+
+from qcompile.compiler.measure import (Measurement, arrival_times, follow_up_len, log, make_prompts, next_turn,
+                                       request_sampling)
 from qcompile.errors import UsageError
 from qcompile.runtime.sampling import GREEDY, Sampling
 
@@ -40,12 +46,14 @@ def server_model(url: str) -> dict:
         raise UsageError(f"--url {url}: no OpenAI-compatible server answers GET /v1/models there ({err})") from None
 
 
-async def _one(client, prompt: list[int], output_len: int, model: str, sampling: Sampling) -> list[float]:
-    """Stream one request; the arrival time of each token's event."""
+async def _one(client, prompt: list[int], output_len: int, model: str, sampling: Sampling
+               ) -> tuple[list[float], list[int]]:
+    """Stream one request; the arrival time of each token's event, and the token ids."""
     body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": sampling.temperature,
             "top_k": sampling.top_k, "top_p": sampling.top_p, "seed": sampling.seed, "ignore_eos": True,
             "stream": True}
     times: list[float] = []
+    made: list[int] = []
     async with client.stream("POST", "/v1/completions", json=body) as response:
         if response.status_code != 200:
             detail = (await response.aread()).decode(errors="replace")[:200]
@@ -62,11 +70,13 @@ async def _one(client, prompt: list[int], output_len: int, model: str, sampling:
                 if ids is None:
                     raise UsageError("the server's choices carry no token_ids; bench --url needs them to count tokens")
                 times.extend([now] * len(ids))
-    return times
+                made.extend(ids)
+    return times, made
 
 
 async def _run(url: str, model: str, prompts: list[list[int]], output_len: int, concurrency: int,
-               arrivals: list[float], m: Measurement, sampling: Sampling) -> None:
+               arrivals: list[float], m: Measurement, sampling: Sampling, turns: int, reasoning: int,
+               seed: int) -> None:
     httpx = _client()
     gate = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
@@ -75,11 +85,16 @@ async def _run(url: str, model: str, prompts: list[list[int]], output_len: int, 
 
         async def request(index: int, prompt: list[int], arrival: float) -> None:
             await asyncio.sleep(max(0.0, start + arrival - time.perf_counter()))
-            arrived = time.perf_counter()
-            async with gate:
-                times = await _one(client, prompt, output_len, model, request_sampling(sampling, index))
-            if times:
-                m.request(times[0] - arrived, times, arrived)
+            first, follow = prompt, np.random.default_rng((seed + 1, index))  # a conversation's new tokens
+            for turn in range(turns):
+                arrived = time.perf_counter()
+                async with gate:
+                    times, made = await _one(client, prompt, output_len, model,
+                                             request_sampling(sampling, index * turns + turn))
+                if times:
+                    m.request(times[0] - arrived, times, arrived)
+                if turn + 1 < turns:
+                    prompt = next_turn(prompt, made, first, follow, reasoning)
 
         try:
             await asyncio.gather(*(request(i, p, a) for i, (p, a) in enumerate(zip(prompts, arrivals))))
@@ -88,21 +103,26 @@ async def _run(url: str, model: str, prompts: list[list[int]], output_len: int, 
 
 
 def bench_url(url: str, input_len: int, output_len: int, concurrency: int, num: int, rate: float | None,
-              seed: int, sampling: Sampling = GREEDY, shared_prefix: int = 0) -> dict:
+              seed: int, sampling: Sampling = GREEDY, shared_prefix: int = 0, turns: int = 1,
+              reasoning: int = 0) -> dict:
     """One run at one concurrency against the server at `url`: the in-process bench's run record. `shared_prefix`:
-    every prompt starts with the first's first that many tokens (whatever prefix caching the server does)."""
+    every prompt starts with the first's first that many tokens; `turns`, `reasoning`: conversations (module
+    docstring)."""
     entry = server_model(url)
     vocab, context = entry.get("vocab_size"), entry.get("max_model_len")
     if vocab is None:
         raise UsageError(f"--url {url}: /v1/models does not give vocab_size; bench --url needs it to make prompts")
-    if context is not None and input_len + output_len > context:
-        raise UsageError(f"{input_len}+{output_len} tokens exceed the server's context of {context}")
+    longest = input_len + turns * output_len + (turns - 1) * (follow_up_len(input_len) - reasoning)
+    if context is not None and longest > context:
+        raise UsageError(f"{longest} tokens ({input_len}+{output_len}" + (f" over {turns} turns" if turns > 1 else "")
+                         + f") exceed the server's context of {context}")
     prompts = make_prompts(num, input_len, int(vocab), seed, shared_prefix)
     arrivals = arrival_times(num, float("inf") if rate is None else rate, seed)
     m = Measurement("qcompile-http", entry["id"], concurrency, input_len, output_len)
     log(f"{url}: {num} requests at concurrency {concurrency}")
     try:
-        asyncio.run(_run(url, entry["id"], prompts, output_len, concurrency, arrivals, m, sampling))
+        asyncio.run(_run(url, entry["id"], prompts, output_len, concurrency, arrivals, m, sampling, turns, reasoning,
+                         seed))
     except KeyboardInterrupt:
         m.complete = False
         raise

@@ -324,6 +324,13 @@ def follow_up_len(input_len: int) -> int:
     return max(8, input_len // 8)
 
 
+def next_turn(prompt: list[int], reply: list[int], first: list[int], rng, reasoning: int = 0) -> list[int]:
+    """A conversation's next prompt (`bench --turns`): the last prompt, the reply without its first `reasoning`
+    tokens (a thinking model's template drops them), and follow_up_len new tokens drawn by `rng` from the
+    conversation's first prompt."""
+    return prompt + reply[reasoning:] + rng.choice(first, follow_up_len(len(first))).tolist()
+
+
 def bench_engine_rate(engine, label: str, passes: str, prompts: list[list[int]], output_len: int, concurrency: int,
                       rate: float, seed: int, stop, sampling: Sampling = GREEDY, n: int = 1,
                       share: bool = True, turns: int = 1, prefix_cache: bool = False,
@@ -374,8 +381,8 @@ def bench_engine_rate(engine, label: str, passes: str, prompts: list[list[int]],
                     token_times.setdefault(request.id, []).append(time.perf_counter())
                     if request.finish_reason == "length" and request.id % turns < turns - 1:
                         first = prompts[request.id // turns]
-                        new = follow.choice(first, follow_up_len(len(first))).tolist()
-                        turn = Request(request.prompt + request.tokens[reasoning:] + new, output_len, id=request.id + 1,
+                        turn = Request(next_turn(request.prompt, request.tokens, first, follow, reasoning), output_len,
+                                       id=request.id + 1,
                                        sampling=request_sampling(sampling, len(prompts) + request.id))
                         scheduler.submit(turn)
                         arrived[turn.id] = time.perf_counter()
