@@ -444,35 +444,38 @@ def _conversation(scheduler, first, turns, new_tokens, history):
 TURN_NEW = [[(5 * i + 3) % 400 + 20 for i in range(8 + 6 * k)] for k in range(3)]  # each later turn's new tokens
 
 
-@pytest.mark.parametrize("dropped", [0, 2])
-def test_a_turn_that_leaves_the_reply_out_starts_from_the_last_prompts_end(model, dropped):
+@pytest.mark.parametrize("dropped, ending", [(0, False), (2, False), (0, True)])
+def test_a_turn_that_leaves_the_reply_out_starts_from_the_last_prompts_end(model, dropped, ending):
     """A thinking model's template renders earlier replies without their reasoning, so the next turn's prompt leaves
     the last turn's sequence right at its prompt's end (or, `dropped`: a template whose generation prompt opened the
     reasoning block, Qwen3.5's `<think>\\n`, leaves out the prompt's last tokens too); the only state it could start
     from is the last prompt's end. Turn 2 recognises that it starts with the whole first prompt (but for `dropped`
     tokens) and then leaves its sequence, so it stops its prefill at its own prompt's end (as many final tokens left
     out, rounded down to a page), keeps a snapshot there in place of its finished sequence, and turn 3 takes it over
-    and feeds only the rest — the tokens made from scratch; one slot for the prefix cache is enough."""
+    and feeds only the rest — the tokens made from scratch; one slot for the prefix cache is enough. (`ending`: the
+    history renders the reply's last 2 tokens differently — a stop token, a trailing newline —, and the reply's
+    tokens before them still show it is the reply.)"""
     engine = model.engine(CacheConfig(max_seqs=2, max_context=128, max_step_tokens=16))
     fed = _fed_tokens(engine)
     scheduler = Scheduler(engine, prefix_cache=True, max_running=1)
-    reasoning = 3  # the reply's first tokens, which the next turn's history leaves out
+    reasoning, made = 3, 10 if ending else 8  # the reply's first tokens, which the next turn's history leaves out
 
     def history(request):
-        return request.prompt[:len(request.prompt) - dropped] + request.tokens[reasoning:]
+        reply = request.tokens[reasoning:-2] + [7, 7] if ending else request.tokens[reasoning:]
+        return request.prompt[:len(request.prompt) - dropped] + reply
 
-    first, second, third = _conversation(scheduler, Request(PROMPTS[1] + SHARED[:15], 8, id=0), 3, TURN_NEW,
+    first, second, third = _conversation(scheduler, Request(PROMPTS[1] + SHARED[:15], made, id=0), 3, TURN_NEW,
                                          history)
     point, after = ((len(r.prompt) - max(dropped, 1)) // 16 * 16 for r in (second, third))
     assert scheduler.snapshots == 2 and scheduler.prefix_hits == 1 and scheduler.prefix_hit_tokens == point
-    # the third feeds from the snapshot: 16-token chunks to its own snapshot point, the rest, then 7 decode tokens
-    steps = [16] * ((after - point) // 16) + [len(third.prompt) - after] + [1] * 7
+    # the third feeds from the snapshot: 16-token chunks to its own snapshot point, the rest, then decode tokens
+    steps = [16] * ((after - point) // 16) + [len(third.prompt) - after] + [1] * (made - 1)
     assert fed[-len(steps):] == steps
     # the third turn's own prompt end, for a fourth, in place of its finished sequence
     assert [(len(k.tokens), k.shared, k.prompt_end) for k in scheduler.prefix_cache] == [(after, False, True)]
     scratch = model.engine(CacheConfig(max_seqs=1, max_context=128, max_step_tokens=16))
     for request in (first, second, third):
-        assert request.tokens == scratch.generate([request.prompt], 8)["tokens"][0]
+        assert request.tokens == scratch.generate([request.prompt], made)["tokens"][0]
     scheduler.release_kept()
     assert len(engine.free_slots) == 2 and len(engine.free_pages) == engine.sizes["P"]
 

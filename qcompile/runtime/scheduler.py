@@ -133,7 +133,9 @@ ENDS_PER_PAGE = 8
 #: A later turn may leave out this many of the last prompt's final tokens and still continue it: Qwen3.5's thinking
 #: template opens the reasoning block in the generation prompt (`<think>\n`) and renders earlier replies without it.
 MAX_DROPPED = 4
-#: A later turn's prompt shows it continues a reply by holding the reply's last this many tokens.
+#: A later turn's prompt shows it continues a reply by holding this many of the reply's last tokens: its very last
+#: ones, or those just before its last 2 (a template may render the reply's last tokens differently: a stop token, a
+#: trailing newline).
 REPLY_END = 4
 #: Later turns whose kind (replies left out or not) decides whether first turns snapshot their prompt's end.
 TURNS_REMEMBERED = 16
@@ -143,7 +145,7 @@ TURNS_REMEMBERED = 16
 class PageEnds:
     """What ended after a remembered page: the tails (tokens past the page) of the prompts whose last whole page
     before their last token it is, and of their finished requests: (length, hash) of the cached tokens past the
-    page, the reply's last REPLY_END tokens and the reply's length."""
+    page, the reply's last REPLY_END + 2 tokens and the reply's length."""
 
     tails: tuple[tuple[int, ...], ...] = ()
     finished: tuple[tuple[int, int, tuple[int, ...], int], ...] = ()
@@ -598,7 +600,7 @@ class Scheduler:
         digests = self._page_digests(request.prompt, len(request.prompt) - 1)
         if digests and digests[-1] in self._seen_pages:
             past = tokens[len(digests) * self.engine.page_size:]
-            self._mark(digests[-1], finished=(len(past), hash(tuple(past)), tuple(request.tokens[-REPLY_END:]),
+            self._mark(digests[-1], finished=(len(past), hash(tuple(past)), tuple(request.tokens[-REPLY_END - 2:]),
                                               len(request.tokens)))
         if request.prompt_end_kept or (self._replies_left_out() and request.later_turn != "rendered"):
             self.engine.release(seq)  # (where replies are left out, no later turn can continue it)
@@ -670,7 +672,7 @@ class Scheduler:
         reply (and the finished sequence) right at the last prompt's end — there, and only there, is a state it can
         start from. A later turn is recognised by the longest earlier prompt it starts with (`agreeing`: the hashes
         of the pages it shares with earlier prompts): all of it but at most MAX_DROPPED final tokens, and then, within
-        the reply's length, that prompt's reply's last REPLY_END tokens (another prompt sharing all but a short last
+        the reply's length, REPLY_END of that prompt's reply's last tokens (another prompt sharing all but a short last
         message does not hold a reply the model made). If it holds the whole finished sequence, the template
         renders the reply as made (the finished sequence is the one to continue: no point). The point leaves out as
         many final tokens as this prompt left out of the last one, rounded down to a page."""
@@ -690,7 +692,9 @@ class Scheduler:
                     if start + length < len(prompt) and hash(tuple(prompt[start:start + length])) == held:
                         self._turns_left_reply_out.append(False)
                         return None, "rendered"
-                    if _holds(prompt[left:left + reply_length + MAX_DROPPED], reply_end):
+                    window = prompt[left:left + reply_length + MAX_DROPPED]
+                    if _holds(window, reply_end[-REPLY_END:]) or \
+                            (len(reply_end) > REPLY_END and _holds(window, reply_end[:REPLY_END])):
                         self._turns_left_reply_out.append(True)
                         self._dropped = dropped
                         return (len(prompt) - max(dropped, 1)) // page * page, "left out"
