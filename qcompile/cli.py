@@ -733,7 +733,7 @@ def _artifact_request_slots(slots: int, prefix_slots: int, ranks: int) -> int:
                    "snapshots of the prefixes prompts share (a system prompt) that later prompts start from.")
 @click.option("--prefix-slots", type=click.IntRange(min=0), metavar="N",
               help="Sequence slots beyond --max-seqs that only the prefix cache uses, so its snapshots (a shared "
-                   "prefix's; a thinking conversation's last prompt end: give about --max-seqs for many conversations) "
+                   "prefix's; a thinking conversation's last prompt end: give about the conversations active at once) "
                    "survive a full batch (each holds one sequence's GDN state) [default: 1 with the prefix cache, "
                    "rounded up to a multiple of the data-parallel ranks; an artifact: 0, and N are taken out of its "
                    "slots].")
