@@ -22,7 +22,7 @@ import numpy as np
 import qcompile
 from qcompile.compiler.builds import Build, builds_from_checkpoint
 from qcompile.compiler.measure import (SCHEMA_VERSION, Roofline, bench_engine, bench_engine_rate, bench_transformers,
-                                       best_ceilings, follow_up_len, load_transformers, log, make_prompts,
+                                       best_ceilings, conversation_len, load_transformers, log, make_prompts,
                                        measure_ceilings, transformers_available, workload_shape)
 from qcompile.errors import UsageError
 from qcompile.ir.abi import CacheConfig
@@ -236,7 +236,7 @@ def run_bench(opts: BenchOptions, emit=print) -> dict:
             num = opts.num_prompts or concurrency
             prompts = make_prompts(num, input_len, vocab, opts.seed, opts.shared_prefix)
             ranks = opts.mesh.size if opts.mesh is not None else 1  # whole slots per data-parallel rank
-            context = input_len + opts.turns * output_len + (opts.turns - 1) * follow_up_len(input_len)
+            context = conversation_len(input_len, output_len, opts.turns, opts.reasoning)
             requests = -(-concurrency // ranks) * ranks
             # prefix-cache slots, rounded up to whole ones on each rank (default: one on each, as serve gives)
             slots = 1 if opts.prefix_slots is None else opts.prefix_slots

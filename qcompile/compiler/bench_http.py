@@ -21,7 +21,7 @@ import time
 
 import numpy as np
 
-from qcompile.compiler.measure import (Measurement, arrival_times, follow_up_len, log, make_prompts, next_turn,
+from qcompile.compiler.measure import (Measurement, arrival_times, conversation_len, log, make_prompts, next_turn,
                                        request_sampling)
 from qcompile.errors import UsageError
 from qcompile.runtime.sampling import GREEDY, Sampling
@@ -112,7 +112,7 @@ def bench_url(url: str, input_len: int, output_len: int, concurrency: int, num: 
     vocab, context = entry.get("vocab_size"), entry.get("max_model_len")
     if vocab is None:
         raise UsageError(f"--url {url}: /v1/models does not give vocab_size; bench --url needs it to make prompts")
-    longest = input_len + turns * output_len + (turns - 1) * (follow_up_len(input_len) - reasoning)
+    longest = conversation_len(input_len, output_len, turns, reasoning)
     if context is not None and longest > context:
         raise UsageError(f"{longest} tokens ({input_len}+{output_len}" + (f" over {turns} turns" if turns > 1 else "")
                          + f") exceed the server's context of {context}")

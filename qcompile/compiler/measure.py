@@ -324,6 +324,12 @@ def follow_up_len(input_len: int) -> int:
     return max(8, input_len // 8)
 
 
+def conversation_len(input_len: int, output_len: int, turns: int, reasoning: int = 0) -> int:
+    """Tokens of a conversation's last turn, prompt and reply (`bench --turns`): the first prompt, each turn's reply
+    (less `reasoning` tokens but the last's) and each later turn's new tokens."""
+    return input_len + turns * output_len + (turns - 1) * (follow_up_len(input_len) - reasoning)
+
+
 def next_turn(prompt: list[int], reply: list[int], first: list[int], rng, reasoning: int = 0) -> list[int]:
     """A conversation's next prompt (`bench --turns`): the last prompt, the reply without its first `reasoning`
     tokens (a thinking model's template drops them), and follow_up_len new tokens drawn by `rng` from the

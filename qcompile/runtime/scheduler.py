@@ -109,6 +109,9 @@ class Request:
     prompt_end_kept: bool = False
     # its prompt continues an earlier prompt and its reply (_turn_end): "left out" or "rendered"; None: no later turn
     later_turn: str | None = None
+    # the hash of its prompt's last whole page before its last token, where its end and its finished request are
+    # remembered (_shared_prefix); None: not remembered
+    last_page: int | None = None
 
 
 @attrs.define(eq=False)
@@ -121,9 +124,12 @@ class Kept:
     tokens: list[int]
     seq: Sequence
     shared: bool = False
-    prompt_end: bool = False
     hits: int = 0  # prompts that started from it (a snapshot)
     made_by: Request | None = None  # the request whose prompt's end it is (a prompt-end snapshot)
+
+    @property
+    def prompt_end(self) -> bool:
+        return self.made_by is not None
 
 
 #: Page hashes remembered for finding prefixes that prompts share (about 100 bytes each).
@@ -597,11 +603,10 @@ class Scheduler:
             self.engine.release(seq)
             return
         tokens = (list(request.prompt) + list(request.tokens))[:seq.length]
-        digests = self._page_digests(request.prompt, len(request.prompt) - 1)
-        if digests and digests[-1] in self._seen_pages:
-            past = tokens[len(digests) * self.engine.page_size:]
-            self._mark(digests[-1], finished=(len(past), hash(tuple(past)), tuple(request.tokens[-REPLY_END - 2:]),
-                                              len(request.tokens)))
+        if request.last_page in self._seen_pages:
+            past = tokens[(len(request.prompt) - 1) // self.engine.page_size * self.engine.page_size:]
+            self._mark(request.last_page, finished=(len(past), hash(tuple(past)),
+                                                    tuple(request.tokens[-REPLY_END - 2:]), len(request.tokens)))
         if request.prompt_end_kept or (self._replies_left_out() and request.later_turn != "rendered"):
             self.engine.release(seq)  # (where replies are left out, no later turn can continue it)
             return
@@ -619,13 +624,13 @@ class Scheduler:
                 feed[:len(kept.tokens)] == kept.tokens]
         return max(hits, key=lambda kept: (len(kept.tokens), not kept.shared), default=None)
 
-    def _page_digests(self, tokens: list[int], end: int) -> list[int]:
-        """Chained hashes of the whole pages of `tokens` that end at or before `end`: each chains the ones before
-        it, so equal hashes mean equal prefixes (as vLLM's block hashes; a collision costs a useless snapshot, never
-        a wrong token: a hit compares the tokens)."""
+    def _page_digests(self, prompt: list[int]) -> list[int]:
+        """Chained hashes of a prompt's whole pages before its last token (which is fed after a snapshot): each
+        chains the ones before it, so equal hashes mean equal prefixes (as vLLM's block hashes; a collision costs a
+        useless snapshot, never a wrong token: a hit compares the tokens)."""
         page, digest, digests = self.engine.page_size, 0, []
-        for start in range(0, end - page + 1, page):
-            digest = hash((digest, *tokens[start:start + page]))
+        for start in range(0, len(prompt) - page, page):
+            digest = hash((digest, *prompt[start:start + page]))
             digests.append(digest)
         return digests
 
@@ -649,7 +654,7 @@ class Scheduler:
         if self.prefix_cache is None or request.prompt_logprobs:
             return 0, None, None
         prompt, page, seen = request.prompt, self.engine.page_size, self._seen_pages
-        digests = self._page_digests(prompt, len(prompt) - 1)
+        digests = self._page_digests(prompt)
         # the chain: every page before a seen one was seen
         matched = next((index + 1 for index in range(len(digests) - 1, -1, -1) if digests[index] in seen), 0)
         end_at, turn = self._turn_end(prompt, digests[:matched])
@@ -661,19 +666,21 @@ class Scheduler:
         while len(seen) > SEEN_PAGES:
             seen.popitem(last=False)
         if digests:
+            request.last_page = digests[-1]
             self._mark(digests[-1], tail=tuple(prompt[len(digests) * page:]))
         return (0 if turn else matched * page), end_at, turn
 
     def _turn_end(self, prompt: list[int], agreeing: list[int]) -> tuple[int | None, str | None]:
         """Where a prompt that continues a conversation whose template leaves the last reply out should stop for a
         snapshot of its own end, which its next turn will start with (None: it does not), and whether it is a later
-        turn of a conversation that left the last reply out or rendered it as made (None: no later turn). A GDN state is only reusable at the end of what it summarised; a thinking
-        model's template renders earlier replies without their reasoning, so the next turn's prompt leaves the
-        reply (and the finished sequence) right at the last prompt's end — there, and only there, is a state it can
-        start from. A later turn is recognised by the longest earlier prompt it starts with (`agreeing`: the hashes
-        of the pages it shares with earlier prompts): all of it but at most MAX_DROPPED final tokens, and then, within
-        the reply's length, REPLY_END of that prompt's reply's last tokens (another prompt sharing all but a short last
-        message does not hold a reply the model made). If it holds the whole finished sequence, the template
+        turn of a conversation that left the last reply out or rendered it as made (None: no later turn). A GDN
+        state is only reusable at the end of what it summarised; a thinking model's template renders earlier replies
+        without their reasoning, so the next turn's prompt leaves the reply (and the finished sequence) right at the
+        last prompt's end — there, and only there, is a state it can start from. A later turn is recognised by the
+        longest earlier prompt it starts with (`agreeing`: the hashes of the pages it shares with earlier prompts):
+        all of it but at most MAX_DROPPED final tokens, and then, within the reply's length, REPLY_END of that
+        prompt's reply's last tokens (another prompt sharing all but a short last message does not hold a reply the
+        model made). If it holds the whole finished sequence, the template
         renders the reply as made (the finished sequence is the one to continue: no point). The point leaves out as
         many final tokens as this prompt left out of the last one, rounded down to a page."""
         page = self.engine.page_size
@@ -761,23 +768,24 @@ class Scheduler:
         # conversation's prompt end while the request that made it runs (else, with more conversations running than
         # slots, they release one another before any next turn comes)
         while (len(self.engine.free_slots_by_rank[rank]) <= reserved_slots or
-               self._spare_pages(rank) < reserved_pages + pages) and self._evict(rank, used=not end, ends=not end):
+               self._spare_pages(rank) < reserved_pages + pages) and self._evict(rank, for_prompt_end=end):
             pass
         if len(self.engine.free_slots_by_rank[rank]) > reserved_slots and \
                 self._spare_pages(rank) >= reserved_pages + pages:
-            self.prefix_cache.append(Kept(tokens, self.engine.fork(request.seq), shared=not end, prompt_end=end,
+            self.prefix_cache.append(Kept(tokens, self.engine.fork(request.seq), shared=not end,
                                           made_by=request if end else None))
             request.prompt_end_kept = end
             self.snapshots += 1
 
-    def _evict(self, rank: int, keep: Sequence | None = None, used: bool = True, ends: bool = True) -> bool:
+    def _evict(self, rank: int, keep: Sequence | None = None, for_prompt_end: bool = False) -> bool:
         """Release a kept sequence on `rank` (but `keep`): the least recently used finished sequence or snapshot no
-        prompt has started from yet, else (unless not `used`) the least recently used snapshot that prompts have
-        started from (a finished sequence serves at most its next turn, a snapshot in use every prompt with its
-        prefix); unless `ends`, not a prompt-end snapshot whose request still runs; False when it keeps none."""
+        prompt has started from yet, else the least recently used snapshot that prompts have started from (a
+        finished sequence serves at most its next turn, a snapshot in use every prompt with its prefix); False when
+        it keeps none. `for_prompt_end` (room for a prompt-end snapshot, which serves one turn): neither a snapshot
+        prompts have started from nor a prompt end whose request still runs."""
         candidates = [index for index, kept in enumerate(self.prefix_cache or ())
-                      if self.engine.rank_of(kept.seq) == rank and kept.seq is not keep and (used or not kept.hits)
-                      and (ends or kept.made_by is None or kept.made_by.finish_reason is not None)]
+                      if self.engine.rank_of(kept.seq) == rank and kept.seq is not keep and not (for_prompt_end and (
+                          kept.hits or (kept.made_by is not None and kept.made_by.finish_reason is None)))]
         if not candidates:
             return False
         index = next((i for i in candidates if not self.prefix_cache[i].hits), candidates[0])
@@ -816,5 +824,5 @@ def _holds(tokens: list[int], part: tuple[int, ...]) -> bool:
     """Whether `part` occurs in `tokens` (a later turn's prompt holding the last reply's end)."""
     if not part:
         return False
-    first, size = part[0], len(part)
-    return any(tokens[i:i + size] == list(part) for i in range(len(tokens) - size + 1) if tokens[i] == first)
+    part = list(part)
+    return any(tokens[i:i + len(part)] == part for i in range(len(tokens) - len(part) + 1) if tokens[i] == part[0])
