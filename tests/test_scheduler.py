@@ -4,6 +4,8 @@ youngest request is preempted and recomputed, with the same tokens; what can nev
 
 from __future__ import annotations
 
+from collections import deque
+
 import pytest
 
 from qcompile.errors import UsageError
@@ -556,5 +558,52 @@ def test_a_prompt_end_is_not_released_for_another_and_unusable_sequences_are_not
     scratch = model.engine(CacheConfig(max_seqs=1, max_context=128, max_step_tokens=16))
     for request in starts + turns:
         assert request.tokens == scratch.generate([request.prompt], 8)["tokens"][0]
+    scheduler.release_kept()
+    assert len(engine.free_slots) == 3 and len(engine.free_pages) == engine.sizes["P"]
+
+
+def test_cyclic_conversations_beyond_the_prefix_slots_keep_the_first_ends_until_their_turns(model):
+    """More conversations than prefix slots, served as a client with one connection sends them (each turn queued
+    behind every other conversation's: a cycle); each later turn leaves the reply out. Least recently used would
+    release every prompt end just before its turn (no hit at all). The second turns' round (nothing kept yet for
+    them) shows, in the two rules simulated side by side, that protection would serve turns and LRU none; from then
+    on an unused prompt end is protected for twice the distance between a conversation's turns, so two
+    conversations' third turns start from their ends (2 slots: 2 hits a round) and the others are fed whole. An
+    abandoned conversation's
+    end ages out: after enough other requests, a new conversation's first turn takes a slot and its second turn
+    starts there. Every request makes the tokens it makes from scratch."""
+    engine = model.engine(CacheConfig(max_seqs=3, max_context=128, max_step_tokens=16))
+    scheduler = Scheduler(engine, prefix_cache=True, max_running=1)
+    served, skipped = [], {}  # each request, and the prompt tokens it did not feed (it started from a kept end)
+
+    def serve(request):
+        before = scheduler.prefix_hit_tokens
+        scheduler.run([request])
+        served.append(request)
+        skipped[request.id] = scheduler.prefix_hit_tokens - before
+
+    queue = deque(Request([(7 * i + 31 * k) % 480 + 5 for i in range(38 + k)], 8, id=(k, 0)) for k in range(4))
+    while queue:
+        request = queue.popleft()
+        serve(request)
+        conversation, turn = request.id
+        if turn < 2:
+            queue.append(Request(request.prompt + request.tokens[3:] + TURN_NEW[turn], 8, id=(conversation, turn + 1)))
+    ends = {r.id: (len(r.prompt) - 1) // 16 * 16 for r in served}
+    hits = {k: v for k, v in skipped.items() if v}
+    assert len(hits) == 2 and all(turn == 2 and hits[c, turn] == ends[c, 1] for c, turn in hits), hits
+    # the second turns' round taught the scheduler that protection would have served turns and LRU none
+    assert scheduler._protecting() and not any(lru for lru, _ in scheduler._simulated_hits)
+    assert sorted(k.made_by.id for k in scheduler.prefix_cache) == sorted(hits)  # their own ends, for a fourth
+    for filler in range(6):  # short requests (no prompt end of their own) until those abandoned ends age out
+        serve(Request([5 + filler, 9, 4], 2, id=(10 + filler, 0)))
+    assert sorted(k.made_by.id for k in scheduler.prefix_cache) == sorted(hits)
+    first = Request(SHARED + PROMPTS[3], 8, id=(20, 0))
+    serve(first)
+    serve(Request(first.prompt + first.tokens[3:] + TURN_NEW[0], 8, id=(20, 1)))
+    assert skipped[20, 1] == (len(first.prompt) - 1) // 16 * 16
+    scratch = model.engine(CacheConfig(max_seqs=1, max_context=128, max_step_tokens=16))
+    for request in served:
+        assert request.tokens == scratch.generate([request.prompt], request.max_new_tokens)["tokens"][0]
     scheduler.release_kept()
     assert len(engine.free_slots) == 3 and len(engine.free_pages) == engine.sizes["P"]

@@ -840,6 +840,7 @@ def test_the_serve_command_starts_answers_and_stops_on_ctrl_c(model, tmp_path):
 
 def test_bench_url_measures_the_server_with_the_in_process_metrics(server):
     from qcompile.compiler.bench import BenchOptions, run_bench
+    from qcompile.compiler.bench_http import prefix_counters
     from qcompile.errors import UsageError
 
     lines = []
@@ -859,6 +860,8 @@ def test_bench_url_measures_the_server_with_the_in_process_metrics(server):
                        emit=lambda line: None)
     assert report["runs"][0]["shared_prefix_len"] == 18 and report["runs"][0]["requests"] == 4
     assert _metric(server, "qcompile_prefix_cache_hits") >= hits + 2
+    # the run record holds what the server's /metrics counted during the run
+    assert report["runs"][0]["prefix_cache"]["hits"] == _metric(server, "qcompile_prefix_cache_hits") - hits
     server.wait_pool_full()
     # conversations: two of three turns, each later turn the last prompt, the streamed reply and new tokens; every
     # later turn continues its last turn's kept sequence (4 hits)
@@ -867,7 +870,9 @@ def test_bench_url_measures_the_server_with_the_in_process_metrics(server):
                                     num_prompts=2, turns=3, seed=4), emit=lambda line: None)
     assert (report["runs"][0]["turns"], report["runs"][0]["requests"]) == (3, 6) and report["runs"][0]["complete"]
     assert _metric(server, "qcompile_prefix_cache_hits") == hits + 4
+    assert report["runs"][0]["prefix_cache"]["hits"] == 4 and report["runs"][0]["prefix_cache"]["hit_tokens"] > 0
     server.wait_pool_full()
+    assert prefix_counters("http://127.0.0.1:9") is None  # nothing answers: the run record has no prefix_cache
     with pytest.raises(UsageError, match="context"):  # 6 + 3 × 12 + 2 × 8 tokens
         run_bench(BenchOptions(source=None, url=server.url, input_len=6, output_len=12, concurrency=(1,), turns=3))
     with pytest.raises(UsageError, match="no OpenAI-compatible server"):

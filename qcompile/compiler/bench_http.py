@@ -7,7 +7,9 @@ second (Poisson, seeded; inf: all at once) with at most `--concurrency` in fligh
 conversation of K requests, each sent when the one before has finished, its prompt the last one, the reply's ids as
 the server streamed them (less `--reasoning-len` first ones) and new tokens — whatever prefix caching the server
 does. Times are taken when each server-sent
-event arrives: TTFT from the request's arrival, ITL between events, E2E latency, and output tok/s over the whole run.
+event arrives: TTFT from the request's arrival, ITL between events, E2E latency, and output tok/s over the whole run;
+with `qcompile serve`, the prefix cache's hits, hit tokens and snapshots during the run (its /metrics before and
+after).
 Prefill and decode are not separable through the API (null in the report), and there is no roofline: the client
 does not know the model's graph. Comparing this with the in-process bench at the same concurrency is the HTTP
 server's overhead (docs/benchmarks.md).
@@ -33,6 +35,29 @@ def _client():
     except ImportError:
         raise UsageError("bench --url needs httpx: pip install 'qcompile[serve]'") from None
     return httpx
+
+
+#: `qcompile serve`'s Prometheus gauges of its prefix cache, by the in-process run record's prefix_cache keys.
+PREFIX_GAUGES = {"hits": "qcompile_prefix_cache_hits", "hit_tokens": "qcompile_prefix_cache_hit_tokens",
+                 "snapshots": "qcompile_prefix_cache_snapshots"}
+
+
+def prefix_counters(url: str) -> dict[str, int] | None:
+    """The server's prefix-cache counters so far (GET /metrics, PREFIX_GAUGES), or None where it gives none (another
+    server, or none with the prefix cache's gauges)."""
+    httpx = _client()
+    try:
+        from prometheus_client.parser import text_string_to_metric_families
+
+        response = httpx.get(url.rstrip("/") + "/metrics", timeout=30)
+        response.raise_for_status()
+        values = {sample.name: sample.value for family in text_string_to_metric_families(response.text)
+                  for sample in family.samples}
+    except (ImportError, httpx.HTTPError, ValueError):
+        return None
+    if not all(name in values for name in PREFIX_GAUGES.values()):
+        return None
+    return {key: int(values[name]) for key, name in PREFIX_GAUGES.items()}
 
 
 def server_model(url: str) -> dict:
@@ -120,6 +145,7 @@ def bench_url(url: str, input_len: int, output_len: int, concurrency: int, num: 
     arrivals = arrival_times(num, float("inf") if rate is None else rate, seed)
     m = Measurement("qcompile-http", entry["id"], concurrency, input_len, output_len)
     log(f"{url}: {num} requests at concurrency {concurrency}")
+    before = prefix_counters(url)
     try:
         asyncio.run(_run(url, entry["id"], prompts, output_len, concurrency, arrivals, m, sampling, turns, reasoning,
                          seed))
@@ -128,4 +154,7 @@ def bench_url(url: str, input_len: int, output_len: int, concurrency: int, num: 
         raise
     except _client().HTTPError as err:
         raise UsageError(f"--url {url}: {type(err).__name__}: {err}") from None
+    after = prefix_counters(url) if before is not None else None
+    if after is not None:  # what this run's requests hit (the server's counters count since it started)
+        m.prefix_cache = {key: after[key] - before[key] for key in PREFIX_GAUGES}
     return m.to_json()

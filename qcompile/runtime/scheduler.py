@@ -52,7 +52,13 @@ place of its finished sequence, and its next turn takes it over — each turn fe
 message (vLLM keeps hybrid models' states at block ends for the same reason). Once most later turns seen lately left
 their replies out, first turns snapshot their prompt's end too, and finished sequences are no longer kept. A prompt
 end serves one turn: making one releases neither a snapshot prompts started from nor another conversation's end
-while the request that made that end still runs.
+while its request still runs; past that, least recently used — unless protection would serve more turns. With more
+conversations than prefix slots that come back in a cycle (a client queueing requests in arrival order), least
+recently used releases every end just before its turn and serves none; protected for twice the usual distance
+between a conversation's turns, the ends made first wait for their turns (as many conversations served as there
+are slots) and an abandoned conversation's end ages out. Where next turns come at once, least recently used serves
+more (abandoned ends go first). Both rules are simulated side by side over the prefix cache's own slots, and the
+one that would have served more of the latest later turns runs (_protecting).
 
 With data-parallel ranks (engine.ranks > 1) pages are counted per rank: a request is admitted when the rank it
 would go to has the pages, and the request preempted is the youngest on a rank whose plan outgrows its pool.
@@ -112,6 +118,7 @@ class Request:
     # the hash of its prompt's last whole page before its last token, where its end and its finished request are
     # remembered (_shared_prefix); None: not remembered
     last_page: int | None = None
+    order: int = -1  # its place among the requests admitted (the age of its prompt end: Scheduler._protected)
 
 
 @attrs.define(eq=False)
@@ -143,17 +150,21 @@ MAX_DROPPED = 4
 #: ones, or those just before its last 2 (a template may render the reply's last tokens differently: a stop token, a
 #: trailing newline).
 REPLY_END = 4
-#: Later turns whose kind (replies left out or not) decides whether first turns snapshot their prompt's end.
+#: Later turns whose kind (replies left out or not) decides whether first turns snapshot their prompt's end, and
+#: whose distances from their last turn decide how long an unused prompt end is protected.
 TURNS_REMEMBERED = 16
+#: An unused prompt end is protected from making room for another until this many times the median distance (in
+#: requests admitted) between a conversation's turns seen lately has passed since its request was admitted.
+PROTECT_TURNS = 2
 
 
 @attrs.frozen
 class PageEnds:
     """What ended after a remembered page: the tails (tokens past the page) of the prompts whose last whole page
-    before their last token it is, and of their finished requests: (length, hash) of the cached tokens past the
-    page, the reply's last REPLY_END + 2 tokens and the reply's length."""
+    before their last token it is, each with its request's `order`, and of their finished requests: (length, hash)
+    of the cached tokens past the page, the reply's last REPLY_END + 2 tokens and the reply's length."""
 
-    tails: tuple[tuple[int, ...], ...] = ()
+    tails: tuple[tuple[tuple[int, ...], int], ...] = ()
     finished: tuple[tuple[int, int, tuple[int, ...], int], ...] = ()
 
 
@@ -171,6 +182,15 @@ class Scheduler:
         # prompt's final tokens the latest that did left out too
         self._turns_left_reply_out: deque[bool] = deque(maxlen=TURNS_REMEMBERED)
         self._dropped = 0
+        # requests admitted between each of the latest later turns and its last turn (_protected)
+        self._turn_distances: deque[int] = deque(maxlen=TURNS_REMEMBERED)
+        self._admissions = 0  # requests admitted so far (the clock of _protected)
+        # the prompt ends (their makers' admission orders, oldest first) that the prefix cache's own slots would hold
+        # under least recently used and under protection, simulated side by side whichever rule runs, and whether
+        # each of the latest later turns that left the reply out would have found its last prompt's end in each
+        # (_protecting)
+        self._simulated: dict[str, list[int]] = {"lru": [], "protect": []}
+        self._simulated_hits: deque[tuple[bool, bool]] = deque(maxlen=TURNS_REMEMBERED)
         # chained hashes of admitted prompts' whole pages -> what ended after that page (None: nothing)
         self._seen_pages: OrderedDict[int, PageEnds | None] = OrderedDict()
         # requests running at once (at most the engine's slots); slots beyond it are only for kept sequences
@@ -330,6 +350,11 @@ class Scheduler:
             request.prompt_end_at = self._first_turn_end(request)
         if request.prompt_end_at is not None and request.prompt_end_at < request.prefilled:
             request.prompt_end_at = None  # (at it, a resent prompt took its own snapshot over: _snapshot copies it)
+        if request.order < 0:  # first admitted: where its prompt ends is remembered, with when (_turn_end)
+            request.order, self._admissions = self._admissions, self._admissions + 1
+            if request.last_page is not None:
+                start = (len(request.prompt) - 1) // self.engine.page_size * self.engine.page_size
+                self._mark(request.last_page, tail=(tuple(request.prompt[start:]), request.order))
         return True
 
     def _group(self, request: Request, shared: int = 0) -> tuple[int, int]:
@@ -634,12 +659,13 @@ class Scheduler:
             digests.append(digest)
         return digests
 
-    def _mark(self, digest: int, tail: tuple[int, ...] | None = None, finished: tuple | None = None):
-        """Remember that a prompt ended after page `digest` with `tail`, or that its request finished with
-        `finished` (PageEnds; the latest ENDS_PER_PAGE of each)."""
+    def _mark(self, digest: int, tail: tuple[tuple[int, ...], int] | None = None, finished: tuple | None = None):
+        """Remember that a prompt ended after page `digest` with `tail` (its tokens past the page, its request's
+        order), or that its request finished with `finished` (PageEnds; the latest ENDS_PER_PAGE of each)."""
         ends = self._seen_pages[digest] or PageEnds()
         if tail is not None:
-            ends = attrs.evolve(ends, tails=(*(t for t in ends.tails if t != tail), tail)[-ENDS_PER_PAGE:])
+            kept = (*(t for t in ends.tails if t[0] != tail[0]), tail)
+            ends = attrs.evolve(ends, tails=kept[-ENDS_PER_PAGE:])
         if finished is not None:
             kept = (*(f for f in ends.finished if f != finished), finished)
             ends = attrs.evolve(ends, finished=kept[-ENDS_PER_PAGE:])
@@ -666,8 +692,7 @@ class Scheduler:
         while len(seen) > SEEN_PAGES:
             seen.popitem(last=False)
         if digests:
-            request.last_page = digests[-1]
-            self._mark(digests[-1], tail=tuple(prompt[len(digests) * page:]))
+            request.last_page = digests[-1]  # (its tail is remembered there when it is admitted: _admitted)
         return (0 if turn else matched * page), end_at, turn
 
     def _turn_end(self, prompt: list[int], agreeing: list[int]) -> tuple[int | None, str | None]:
@@ -682,14 +707,16 @@ class Scheduler:
         prompt's reply's last tokens (another prompt sharing all but a short last message does not hold a reply the
         model made). If it holds the whole finished sequence, the template
         renders the reply as made (the finished sequence is the one to continue: no point). The point leaves out as
-        many final tokens as this prompt left out of the last one, rounded down to a page."""
+        many final tokens as this prompt left out of the last one, rounded down to a page. The requests admitted
+        since the last turn are remembered either way, and a turn that left the reply out is simulated
+        (_protecting)."""
         page = self.engine.page_size
         for index in range(len(agreeing) - 1, -1, -1):
             ends = self._seen_pages[agreeing[index]]
             if ends is None or not ends.tails:
                 continue
             start = (index + 1) * page
-            for tail in ends.tails:
+            for tail, order in ends.tails:
                 agreed = next((i for i, (a, b) in enumerate(zip(tail, prompt[start:])) if a != b),
                               min(len(tail), len(prompt) - start))
                 dropped, left = len(tail) - agreed, start + agreed
@@ -698,11 +725,14 @@ class Scheduler:
                 for length, held, reply_end, reply_length in ends.finished:
                     if start + length < len(prompt) and hash(tuple(prompt[start:start + length])) == held:
                         self._turns_left_reply_out.append(False)
+                        self._turn_distances.append(self._admissions - order)
                         return None, "rendered"
                     window = prompt[left:left + reply_length + MAX_DROPPED]
                     if _holds(window, reply_end[-REPLY_END:]) or \
                             (len(reply_end) > REPLY_END and _holds(window, reply_end[:REPLY_END])):
                         self._turns_left_reply_out.append(True)
+                        self._turn_distances.append(self._admissions - order)
+                        self._simulate_turn(order)
                         self._dropped = dropped
                         return (len(prompt) - max(dropped, 1)) // page * page, "left out"
         return None, None
@@ -754,6 +784,8 @@ class Scheduler:
                 else:
                     request.snapshot_at = None
                 if request.prefilled == at and request.seq.length == at:
+                    if end:
+                        self._simulate_end(request.order)
                     self._take_snapshot(request, at, end)
 
     def _take_snapshot(self, request: Request, at: int, end: bool) -> None:
@@ -764,9 +796,13 @@ class Scheduler:
             return
         rank, pages = self._rank(request), self.engine.fork_pages(request.seq)  # 0: its pages are whole
         reserved_slots, reserved_pages = self._reserved(rank)
+        if end and self._protecting():
+            # protected ends stay in the prefix cache's own slots: in one a running request could take, admitting it
+            # would release a protected end
+            running = sum(1 for r in self.running if self._rank(r) == rank)
+            reserved_slots += max(0, self.max_running // self.engine.ranks - running)
         # a prompt's end serves one next turn: it does not release a snapshot prompts have started from, nor another
-        # conversation's prompt end while the request that made it runs (else, with more conversations running than
-        # slots, they release one another before any next turn comes)
+        # conversation's prompt end that is likely to be used (_protected)
         while (len(self.engine.free_slots_by_rank[rank]) <= reserved_slots or
                self._spare_pages(rank) < reserved_pages + pages) and self._evict(rank, for_prompt_end=end):
             pass
@@ -778,19 +814,74 @@ class Scheduler:
             self.snapshots += 1
 
     def _evict(self, rank: int, keep: Sequence | None = None, for_prompt_end: bool = False) -> bool:
-        """Release a kept sequence on `rank` (but `keep`): the least recently used finished sequence or snapshot no
-        prompt has started from yet, else the least recently used snapshot that prompts have started from (a
-        finished sequence serves at most its next turn, a snapshot in use every prompt with its prefix); False when
-        it keeps none. `for_prompt_end` (room for a prompt-end snapshot, which serves one turn): neither a snapshot
-        prompts have started from nor a prompt end whose request still runs."""
-        candidates = [index for index, kept in enumerate(self.prefix_cache or ())
-                      if self.engine.rank_of(kept.seq) == rank and kept.seq is not keep and not (for_prompt_end and (
-                          kept.hits or (kept.made_by is not None and kept.made_by.finish_reason is None)))]
-        if not candidates:
+        """Release a kept sequence on `rank` (but `keep`), least recently used first among: finished sequences and
+        snapshots no prompt has started from yet, but protected prompt ends (_protected); then those; then snapshots
+        that prompts have started from (a finished sequence serves at most its next turn, a snapshot in use every
+        prompt with its prefix). False when it keeps none. `for_prompt_end` (room for a prompt-end snapshot, which
+        serves one turn): only the first."""
+        candidates = [kept for kept in self.prefix_cache or ()
+                      if self.engine.rank_of(kept.seq) == rank and kept.seq is not keep]
+        ranked = [(bool(kept.hits), self._protected(kept), index) for index, kept in enumerate(candidates)]
+        if for_prompt_end:
+            ranked = [rank_ for rank_ in ranked if rank_[:2] == (False, False)]
+        if not ranked:
             return False
-        index = next((i for i in candidates if not self.prefix_cache[i].hits), candidates[0])
-        self.engine.release(self.prefix_cache.pop(index).seq)
+        victim = candidates[min(ranked)[2]]
+        self.prefix_cache.remove(victim)
+        self.engine.release(victim.seq)
         return True
+
+    def _protected(self, kept: Kept) -> bool:
+        """Whether a prompt end is kept from making room for another's: its request still runs, or — where
+        protection serves more turns than least recently used (_protecting) — it was admitted less than
+        PROTECT_TURNS cycles ago (its next turn is likely still to come; an abandoned conversation's end ages out)."""
+        if kept.made_by is None:
+            return False
+        if kept.made_by.finish_reason is None:
+            return True
+        return self._protecting() and self._admissions - kept.made_by.order < PROTECT_TURNS * self._cycle()
+
+    def _cycle(self) -> int:
+        """The median distance, in requests admitted, between a conversation's turns seen lately (0: none seen)."""
+        distances = sorted(self._turn_distances)
+        return distances[len(distances) // 2] if distances else 0
+
+    def _end_slots(self) -> int:
+        """The slots only the prefix cache uses (beyond max_running)."""
+        return self.engine.cache_cfg.max_seqs - self.max_running
+
+    def _protecting(self) -> bool:
+        """Whether prompt ends are protected: where, over the latest later turns, protection would have served more
+        of them than least recently used (both simulated). With more conversations than prefix slots that come back
+        in a cycle (a client queueing requests in arrival order), least recently used releases each end just before
+        its turn and serves none, protection as many as there are slots; where next turns come at once (admitted
+        ahead of waiting first turns), least recently used releases abandoned conversations' ends first and serves
+        more."""
+        return sum(protect for _, protect in self._simulated_hits) > sum(lru for lru, _ in self._simulated_hits)
+
+    def _simulate_end(self, order: int) -> None:
+        """A prompt end reached by the request admitted `order`-th, in both simulated caches of the prefix cache's
+        own slots: least recently used keeps it and releases the oldest; protection keeps it where an end has aged
+        past PROTECT_TURNS cycles (released) or a slot is free."""
+        slots, lru, protect = self._end_slots(), self._simulated["lru"], self._simulated["protect"]
+        lru.append(order)  # (which also keeps ends in slots no request runs in now, until one is admitted)
+        del lru[:max(0, len(lru) - (self.engine.cache_cfg.max_seqs - len(self.running)))]
+        if len(protect) >= slots:
+            aged = next((made for made in protect if self._admissions - made >= PROTECT_TURNS * self._cycle()), None)
+            if aged is not None:
+                protect.remove(aged)
+        if len(protect) < slots:
+            protect.append(order)
+
+    def _simulate_turn(self, order: int) -> None:
+        """A later turn that left the reply out of the prompt the request admitted `order`-th made: whether each
+        simulated cache held that prompt's end (taken over)."""
+        held = []
+        for kept in self._simulated.values():
+            held.append(order in kept)
+            if order in kept:
+                kept.remove(order)
+        self._simulated_hits.append((held[0], held[1]))
 
     def release_kept(self) -> None:
         """Release every kept sequence (the engine's slots and pages all free again once nothing runs)."""
