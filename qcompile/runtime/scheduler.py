@@ -867,7 +867,8 @@ class Scheduler:
         lru.append(order)  # (which also keeps ends in slots no request runs in now, until one is admitted)
         del lru[:max(0, len(lru) - (self.engine.cache_cfg.max_seqs - len(self.running)))]
         if len(protect) >= slots:
-            aged = next((made for made in protect if self._admissions - made >= PROTECT_TURNS * self._cycle()), None)
+            horizon = PROTECT_TURNS * self._cycle()
+            aged = next((made for made in protect if self._admissions - made >= horizon), None)
             if aged is not None:
                 protect.remove(aged)
         if len(protect) < slots:
@@ -876,12 +877,11 @@ class Scheduler:
     def _simulate_turn(self, order: int) -> None:
         """A later turn that left the reply out of the prompt the request admitted `order`-th made: whether each
         simulated cache held that prompt's end (taken over)."""
-        held = []
+        lru, protect = (order in self._simulated[rule] for rule in ("lru", "protect"))
+        self._simulated_hits.append((lru, protect))
         for kept in self._simulated.values():
-            held.append(order in kept)
             if order in kept:
                 kept.remove(order)
-        self._simulated_hits.append((held[0], held[1]))
 
     def release_kept(self) -> None:
         """Release every kept sequence (the engine's slots and pages all free again once nothing runs)."""
