@@ -607,3 +607,29 @@ def test_cyclic_conversations_beyond_the_prefix_slots_keep_the_first_ends_until_
         assert request.tokens == scratch.generate([request.prompt], request.max_new_tokens)["tokens"][0]
     scheduler.release_kept()
     assert len(engine.free_slots) == 3 and len(engine.free_pages) == engine.sizes["P"]
+
+
+def test_next_turns_sent_at_once_keep_least_recently_used_where_running_requests_hold_the_ends(model):
+    """Conversations whose next turn comes as soon as the last finishes (in-process, or a client with a connection
+    per conversation), more running than prefix slots; each later turn leaves the reply out. The prefix cache never
+    releases an end whose request still runs to keep another's, so the end kept is the one whose turn comes first:
+    least recently used serves those turns, and its simulation (which releases as the cache does) counts exactly the
+    hits the cache made; protection would have served no more, so it is not switched on. Every request makes the
+    tokens it makes from scratch."""
+    engine = model.engine(CacheConfig(max_seqs=3, max_context=160, max_step_tokens=16))
+    scheduler = Scheduler(engine, prefix_cache=True, max_running=2)
+    served = [Request([(7 * i + 31 * k) % 480 + 5 for i in range(38 + 3 * k)], 8, id=(k, 0)) for k in range(4)]
+    for request in served[:]:
+        scheduler.submit(request)
+    for request, _ in scheduler.stream():
+        conversation, turn = request.id
+        if request.finish_reason is not None and turn < 3:
+            served.append(Request(request.prompt + request.tokens[3:] + TURN_NEW[turn], 8, id=(conversation, turn + 1)))
+            scheduler.submit(served[-1])
+    lru, protect = (sum(hits[rule] for hits in scheduler._simulated_hits) for rule in (0, 1))
+    assert scheduler.prefix_hits == lru >= 3 and protect <= lru and not scheduler._protecting()
+    scratch = model.engine(CacheConfig(max_seqs=1, max_context=160, max_step_tokens=16))
+    for request in served:
+        assert request.tokens == scratch.generate([request.prompt], request.max_new_tokens)["tokens"][0]
+    scheduler.release_kept()
+    assert len(engine.free_slots) == 3 and len(engine.free_pages) == engine.sizes["P"]

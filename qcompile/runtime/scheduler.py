@@ -861,18 +861,22 @@ class Scheduler:
 
     def _simulate_end(self, order: int) -> None:
         """A prompt end reached by the request admitted `order`-th, in both simulated caches of the prefix cache's
-        own slots: least recently used keeps it and releases the oldest; protection keeps it where an end has aged
-        past PROTECT_TURNS cycles (released) or a slot is free."""
-        slots, lru, protect = self._end_slots(), self._simulated["lru"], self._simulated["protect"]
-        lru.append(order)  # (which also keeps ends in slots no request runs in now, until one is admitted)
-        del lru[:max(0, len(lru) - (self.engine.cache_cfg.max_seqs - len(self.running)))]
-        if len(protect) >= slots:
-            horizon = PROTECT_TURNS * self._cycle()
-            aged = next((made for made in protect if self._admissions - made >= horizon), None)
-            if aged is not None:
-                protect.remove(aged)
-        if len(protect) < slots:
-            protect.append(order)
+        slots, as the real one makes room for it (_take_snapshot): neither releases an end whose request still runs
+        (the end is not kept where only those hold the slots); least recently used keeps it in any slot no request
+        runs in now, releasing the oldest; protection keeps it in the prefix cache's own slots, releasing an end that
+        has aged past PROTECT_TURNS cycles."""
+        running = {request.order for request in self.running}
+        horizon = PROTECT_TURNS * self._cycle()
+        for kept, slots, may_release in (
+                (self._simulated["lru"], self.engine.cache_cfg.max_seqs - len(running), lambda made: True),
+                (self._simulated["protect"], self._end_slots(), lambda made: self._admissions - made >= horizon)):
+            while len(kept) >= slots:
+                victim = next((made for made in kept if made not in running and may_release(made)), None)
+                if victim is None:
+                    break
+                kept.remove(victim)
+            if len(kept) < slots:
+                kept.append(order)
 
     def _simulate_turn(self, order: int) -> None:
         """A later turn that left the reply out of the prompt the request admitted `order`-th made: whether each
