@@ -608,7 +608,8 @@ def init_tiny_cmd(directory, family, preset, seed, dtype, sparse, force):
                    "batching, at most C at a time, instead of in lock-step waves.")
 @click.option("--n", "choices", default=1, show_default=True, metavar="N",
               help="With --request-rate: each prompt asks for N choices (sample them: --temperature), measured sharing "
-                   "the prompt's prefill (as serve does for a request's n) and each fed on its own.")
+                   "the prompt's prefill (as serve does for a request's n) and each fed on its own (with --url: one "
+                   "request with the server's n).")
 @click.option("--turns", default=1, show_default=True, metavar="K",
               help="With --request-rate: each prompt opens a conversation of K requests, each sent when the one "
                    "before finishes with its prompt, reply and new tokens; measured with serve's prefix cache and "

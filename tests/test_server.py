@@ -842,6 +842,7 @@ def test_bench_url_measures_the_server_with_the_in_process_metrics(server):
     from qcompile.compiler.bench import BenchOptions, run_bench
     from qcompile.compiler.bench_http import prefix_counters
     from qcompile.errors import UsageError
+    from qcompile.runtime.sampling import Sampling
 
     lines = []
     report = run_bench(BenchOptions(source=None, url=server.url, input_len=6, output_len=4, concurrency=(2,),
@@ -871,6 +872,13 @@ def test_bench_url_measures_the_server_with_the_in_process_metrics(server):
     assert (report["runs"][0]["turns"], report["runs"][0]["requests"]) == (3, 6) and report["runs"][0]["complete"]
     assert _metric(server, "qcompile_prefix_cache_hits") == hits + 4
     assert report["runs"][0]["prefix_cache"]["hits"] == 4 and report["runs"][0]["prefix_cache"]["hit_tokens"] > 0
+    server.wait_pool_full()
+    # n choices a request (sampled): each choice's tokens timed and counted as a request, every token made
+    made = _metric(server, "qcompile_generation_tokens_total")
+    report = run_bench(BenchOptions(source=None, url=server.url, input_len=6, output_len=4, concurrency=(1,),
+                                    num_prompts=2, n=3, sampling=Sampling(1.0, 0, 1.0, 5)), emit=lambda line: None)
+    assert (report["runs"][0]["n"], report["runs"][0]["requests"]) == (3, 6) and report["runs"][0]["complete"]
+    assert _metric(server, "qcompile_generation_tokens_total") == made + 2 * 3 * 4
     server.wait_pool_full()
     assert prefix_counters("http://127.0.0.1:9") is None  # nothing answers: the run record has no prefix_cache
     with pytest.raises(UsageError, match="context"):  # 6 + 3 × 12 + 2 × 8 tokens

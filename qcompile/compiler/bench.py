@@ -116,9 +116,9 @@ def _check_outputs(opts: BenchOptions) -> None:
     if opts.shared_prefix and opts.request_rate is None and opts.url is None:
         raise UsageError("--shared-prefix-len serves through the scheduler: give --request-rate (inf: all at once), or "
                          "--url of a running server")
-    if opts.n > 1 and (opts.request_rate is None or opts.url is not None):
-        raise UsageError("--n serves through this process's scheduler: give --request-rate (inf: all at once), "
-                         "without --url")
+    if opts.n > 1 and opts.request_rate is None and opts.url is None:
+        raise UsageError("--n serves through the scheduler: give --request-rate (inf: all at once), or --url of a "
+                         "running server")
     if opts.turns > 1 and opts.request_rate is None and opts.url is None:
         raise UsageError("--turns serves through the scheduler: give --request-rate (inf: all at once), or --url of a "
                          "running server")
@@ -337,7 +337,7 @@ def _bench_server(opts: BenchOptions, emit, input_len: int, output_len: int, sha
         for concurrency in opts.concurrency:
             runs.append(bench_url(opts.url, input_len, output_len, concurrency, opts.num_prompts or concurrency,
                                   opts.request_rate, opts.seed, opts.sampling, opts.shared_prefix, opts.turns,
-                                  opts.reasoning))
+                                  opts.reasoning, opts.n))
             runs[-1].update(_workload_keys(opts))
             _progress(runs[-1])
 

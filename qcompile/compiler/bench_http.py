@@ -6,7 +6,9 @@ second (Poisson, seeded; inf: all at once) with at most `--concurrency` in fligh
 /v1/completions request for exactly output_len tokens (ignore_eos, greedy). With `--turns K` each prompt opens a
 conversation of K requests, each sent when the one before has finished, its prompt the last one, the reply's ids as
 the server streamed them (less `--reasoning-len` first ones) and new tokens — whatever prefix caching the server
-does. Times are taken when each server-sent
+does. With `--n N` each request asks for N choices (the server's `n`; each choice's tokens timed and counted as a
+request of the in-process bench's, and `--concurrency` counts requests in flight). Times are taken when each
+server-sent
 event arrives: TTFT from the request's arrival, ITL between events, E2E latency, and output tok/s over the whole run;
 with `qcompile serve`, the prefix cache's hits, hit tokens and snapshots during the run (its /metrics before and
 after).
@@ -71,14 +73,13 @@ def server_model(url: str) -> dict:
         raise UsageError(f"--url {url}: no OpenAI-compatible server answers GET /v1/models there ({err})") from None
 
 
-async def _one(client, prompt: list[int], output_len: int, model: str, sampling: Sampling
-               ) -> tuple[list[float], list[int]]:
-    """Stream one request; the arrival time of each token's event, and the token ids."""
+async def _one(client, prompt: list[int], output_len: int, model: str, sampling: Sampling, n: int = 1
+               ) -> list[tuple[list[float], list[int]]]:
+    """Stream one request of `n` choices; for each choice, the arrival time of each token's event and the token ids."""
     body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": sampling.temperature,
             "top_k": sampling.top_k, "top_p": sampling.top_p, "seed": sampling.seed, "ignore_eos": True,
-            "stream": True}
-    times: list[float] = []
-    made: list[int] = []
+            "stream": True, **({"n": n} if n > 1 else {})}
+    choices: list[tuple[list[float], list[int]]] = [([], []) for _ in range(n)]
     async with client.stream("POST", "/v1/completions", json=body) as response:
         if response.status_code != 200:
             detail = (await response.aread()).decode(errors="replace")[:200]
@@ -91,17 +92,20 @@ async def _one(client, prompt: list[int], output_len: int, model: str, sampling:
             if "error" in event:
                 raise UsageError(f"the server failed a request: {event['error'].get('message')}")
             for choice in event.get("choices", []):
-                ids = choice.get("token_ids")
+                ids, index = choice.get("token_ids"), choice.get("index", 0)
                 if ids is None:
                     raise UsageError("the server's choices carry no token_ids; bench --url needs them to count tokens")
+                if not 0 <= index < n:
+                    raise UsageError(f"the server answered a choice index {index} for a request of {n} choices")
+                times, made = choices[index]
                 times.extend([now] * len(ids))
                 made.extend(ids)
-    return times, made
+    return choices
 
 
 async def _run(url: str, model: str, prompts: list[list[int]], output_len: int, concurrency: int,
                arrivals: list[float], m: Measurement, sampling: Sampling, turns: int, reasoning: int,
-               seed: int) -> None:
+               seed: int, n: int) -> None:
     httpx = _client()
     gate = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
@@ -113,13 +117,14 @@ async def _run(url: str, model: str, prompts: list[list[int]], output_len: int, 
             first, follow = prompt, np.random.default_rng((seed + 1, index))  # a conversation's new tokens
             for turn in range(turns):
                 arrived = time.perf_counter()
-                async with gate:
-                    times, made = await _one(client, prompt, output_len, model,
-                                             request_sampling(sampling, index * turns + turn))
-                if times:
-                    m.request(times[0] - arrived, times, arrived)
+                async with gate:  # (choice j of request i draws with seed + n·i + j, as in-process)
+                    choices = await _one(client, prompt, output_len, model,
+                                         request_sampling(sampling, n * (index * turns + turn)), n)
+                for times, _ in choices:
+                    if times:
+                        m.request(times[0] - arrived, times, arrived)
                 if turn + 1 < turns:
-                    prompt = next_turn(prompt, made, first, follow, reasoning)
+                    prompt = next_turn(prompt, choices[0][1], first, follow, reasoning)
 
         try:
             await asyncio.gather(*(request(i, p, a) for i, (p, a) in enumerate(zip(prompts, arrivals))))
@@ -129,10 +134,11 @@ async def _run(url: str, model: str, prompts: list[list[int]], output_len: int, 
 
 def bench_url(url: str, input_len: int, output_len: int, concurrency: int, num: int, rate: float | None,
               seed: int, sampling: Sampling = GREEDY, shared_prefix: int = 0, turns: int = 1,
-              reasoning: int = 0) -> dict:
-    """One run at one concurrency against the server at `url`: the in-process bench's run record. `shared_prefix`:
-    every prompt starts with the first's first that many tokens; `turns`, `reasoning`: conversations (module
-    docstring)."""
+              reasoning: int = 0, n: int = 1) -> dict:
+    """One run at one concurrency (requests in flight) against the server at `url`: the in-process bench's run
+    record. `shared_prefix`: every prompt starts with the first's first that many tokens; `turns`, `reasoning`:
+    conversations (module docstring); `n`: each request asks for n choices (each counted as a request in the
+    latencies, as in-process)."""
     entry = server_model(url)
     vocab, context = entry.get("vocab_size"), entry.get("max_model_len")
     if vocab is None:
@@ -144,11 +150,11 @@ def bench_url(url: str, input_len: int, output_len: int, concurrency: int, num: 
     prompts = make_prompts(num, input_len, int(vocab), seed, shared_prefix)
     arrivals = arrival_times(num, float("inf") if rate is None else rate, seed)
     m = Measurement("qcompile-http", entry["id"], concurrency, input_len, output_len)
-    log(f"{url}: {num} requests at concurrency {concurrency}")
+    log(f"{url}: {num} requests" + (f" of {n} choices" if n > 1 else "") + f" at concurrency {concurrency}")
     before = prefix_counters(url)
     try:
         asyncio.run(_run(url, entry["id"], prompts, output_len, concurrency, arrivals, m, sampling, turns, reasoning,
-                         seed))
+                         seed, n))
     except KeyboardInterrupt:
         m.complete = False
         raise
