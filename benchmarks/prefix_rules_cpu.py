@@ -28,7 +28,7 @@ from qcompile.runtime.model import load_model
 from qcompile.runtime.scheduler import Request, Scheduler
 
 CASES = [(2, 8, 3, 4), (4, 8, 3, 4), (6, 8, 3, 4), (8, 8, 3, 4), (4, 16, 4, 4), (8, 16, 4, 4), (2, 16, 6, 4),
-         (4, 16, 6, 8)]  # (prefix slots, conversations, turns, concurrency)
+         (4, 16, 6, 8), (2, 32, 5, 2)]  # (prefix slots, conversations, turns, concurrency)
 
 
 def conversations(model, vocab: int, slots: int, count: int, turns: int, concurrency: int, input_len: int,

@@ -88,8 +88,9 @@ def test_a_soak_with_cancellations_loses_nothing_and_leaks_nothing(model, alone,
     """Short requests over 7 prompts (each prompt's alone-tokens known; 40 in the default suite, 2000 in the slow
     tier), 4 slots (3 for requests) and a pool of 5 pages, so requests queue and get preempted; a run of one prompt is
     linked as a request's choices (forked from the first's prefill, when they fit); finished sequences, a shared
-    first page's snapshots and a conversation's prompt ends (its next turn leaves the reply out) are kept (prefix
-    cache) and released as later requests need the room; a third are
+    first page's snapshots are kept (prefix cache) and released as later requests need the room, and a
+    conversation's prompt end (its next turn leaves the reply out) is reached, though rarely kept (one slot; the
+    cyclic soak below keeps many); a third are
     cancelled — some while
     waiting, some mid-stream. Every request ends (length or cancelled, none lost), each uncancelled one made exactly
     its alone tokens (a cancelled one a prefix of them), and the slots and pages are all free again."""
@@ -618,6 +619,13 @@ def test_next_turns_sent_at_once_keep_least_recently_used_where_running_requests
     tokens it makes from scratch."""
     engine = model.engine(CacheConfig(max_seqs=3, max_context=160, max_step_tokens=16))
     scheduler = Scheduler(engine, prefix_cache=True, max_running=2)
+    simulated, simulate_turn = [], scheduler._simulate_turn
+
+    def counted(order):  # whether each simulated rule holds the end a later turn comes for
+        simulated.append(tuple(order in scheduler._simulated[rule] for rule in ("lru", "protect")))
+        simulate_turn(order)
+
+    scheduler._simulate_turn = counted
     served = [Request([(7 * i + 31 * k) % 480 + 5 for i in range(38 + 3 * k)], 8, id=(k, 0)) for k in range(4)]
     for request in served[:]:
         scheduler.submit(request)
@@ -626,10 +634,99 @@ def test_next_turns_sent_at_once_keep_least_recently_used_where_running_requests
         if request.finish_reason is not None and turn < 3:
             served.append(Request(request.prompt + request.tokens[3:] + TURN_NEW[turn], 8, id=(conversation, turn + 1)))
             scheduler.submit(served[-1])
-    lru, protect = (sum(hits[rule] for hits in scheduler._simulated_hits) for rule in (0, 1))
+    lru, protect = (sum(hits[rule] for hits in simulated) for rule in (0, 1))
     assert scheduler.prefix_hits == lru >= 3 and protect <= lru and not scheduler._protecting()
     scratch = model.engine(CacheConfig(max_seqs=1, max_context=160, max_step_tokens=16))
     for request in served:
         assert request.tokens == scratch.generate([request.prompt], request.max_new_tokens)["tokens"][0]
+    scheduler.release_kept()
+    assert len(engine.free_slots) == 3 and len(engine.free_pages) == engine.sizes["P"]
+
+
+@pytest.mark.parametrize("count, turns", [pytest.param(12, 4, id="12x4"),
+                                          pytest.param(30, 6, id="30x6", marks=pytest.mark.slow)])
+def test_cyclic_conversations_under_cancellation_and_preemption_lose_and_leak_nothing(model, count, turns):
+    """Conversations (each later turn leaves the reply's first 2 tokens out) through a client-side queue of 2
+    connections, so their turns come back in a cycle and prompt ends are protected; 2 requests run, 3 slots are the
+    prefix cache's; two of every six conversations are one 95-token prompt that makes 20 tokens, and 13 pages hold two
+    of those only until they decode past their sixth page, so requests are preempted (and recomputed) and kept ends
+    released for room; a fifth of the requests are cancelled after their first token (their conversation ends
+    there). Prompt ends are kept and later turns start from them (a few: the pages are tight); every request ends
+    (length or cancelled), each made the tokens it makes from scratch (a cancelled one a prefix), and the slots and
+    pages are all free again."""
+    import numpy as np
+
+    engine = model.engine(CacheConfig(max_seqs=5, max_context=96 + 8 * turns, max_step_tokens=16, num_pages=13))
+    scheduler = Scheduler(engine, prefix_cache=True, max_running=2)
+    kept_ends, take = [], scheduler._take_snapshot
+
+    def taking(request, at, end):  # whether each prompt end reached was kept
+        take(request, at, end)
+        kept_ends.extend([request.prompt_end_kept] if end else [])
+
+    scheduler._take_snapshot = taking
+    rng = np.random.default_rng(7)
+    queue = deque(Request([int(t) for t in rng.integers(3, 500, 95)], 20, id=(k, 0)) if k % 6 >= 4 else
+                  Request([int(t) for t in rng.integers(3, 500, 20 + 3 * (k % 4))], 6, id=(k, 0))
+                  for k in range(count))
+    served, in_flight, protecting = [], 0, False
+    for _ in range(100_000):
+        while queue and in_flight < 2:
+            served.append(queue.popleft())
+            scheduler.submit(served[-1])
+            in_flight += 1
+        if not (scheduler.running or scheduler.waiting):
+            break
+        for request, _ in scheduler.step():
+            if request.finish_reason is None and len(request.tokens) == 1 and rng.random() < 0.2:
+                assert scheduler.cancel(request)  # mid-stream: its conversation ends
+            if request.finish_reason is None:
+                continue
+            in_flight -= 1
+            conversation, turn = request.id
+            if request.finish_reason == "length" and turn + 1 < turns and len(request.prompt) != 95:
+                new = [int(t) for t in rng.integers(3, 500, 4)]
+                queue.append(Request(request.prompt + request.tokens[2:] + new, 6, id=(conversation, turn + 1)))
+        protecting = protecting or scheduler._protecting()
+    assert not queue and all(r.finish_reason in ("length", "cancelled") for r in served)
+    assert protecting and sum(kept_ends) >= count // 3 and scheduler.prefix_hits >= 2
+    assert sum(r.preemptions for r in served) > 0 and any(r.finish_reason == "cancelled" for r in served)
+    scratch = model.engine(CacheConfig(max_seqs=1, max_context=96 + 8 * turns, max_step_tokens=16))
+    for request in served:
+        alone = scratch.generate([request.prompt], request.max_new_tokens)["tokens"][0]
+        assert request.tokens == (alone if request.finish_reason == "length" else alone[:len(request.tokens)])
+    scheduler.release_kept()
+    assert len(engine.free_slots) == 5 and len(engine.free_pages) == 13
+
+
+def test_a_cycle_longer_than_the_turns_remembered_keeps_protecting(model):
+    """24 conversations of 5 turns through a client-side queue of one connection, 2 prefix slots; each later turn
+    leaves the reply's first tokens out and adds a short message, so a conversation's turns end on the same page.
+    Each later turn is recognised as the next of its latest turn (the tail that agrees longest: the distance between
+    turns is the cycle of 24 requests, not twice it). The turns where protection and least recently used differ
+    are few — protection serves 2 a round, least recently used none, and the other 22 neither — and they are what
+    decides: a window of the latest 16 turns of any kind would lose them within a round and hand the protected ends
+    back (no hit at all). Protection starts when the third turns' round shows it would have served (the ends kept
+    then are the last two conversations'), and from then on those 2 conversations start every turn from their last
+    prompt's end — also a turn whose own end is the point it started from (its prompt ends on the same page), which
+    snapshots it again as it is admitted — each making the tokens it makes from scratch."""
+    engine = model.engine(CacheConfig(max_seqs=3, max_context=128, max_step_tokens=16))
+    scheduler = Scheduler(engine, prefix_cache=True, max_running=1)
+    queue = deque(Request([(7 * i + 31 * k) % 480 + 5 for i in range(20 + k % 7)], 8, id=(k, 0)) for k in range(24))
+    hits = []
+    while queue:
+        request = queue.popleft()
+        before = scheduler.prefix_hits
+        scheduler.run([request])
+        hits += [request] if scheduler.prefix_hits > before else []
+        conversation, turn = request.id
+        if turn < 4:
+            queue.append(Request(request.prompt + request.tokens[3:] + [9 + turn, 8, 7, 6], 8,
+                                 id=(conversation, turn + 1)))
+    assert scheduler._cycle() == 24 and scheduler._protecting()
+    assert sorted(r.id for r in hits) == [(c, t) for c in (22, 23) for t in (2, 3, 4)], [r.id for r in hits]
+    scratch = model.engine(CacheConfig(max_seqs=1, max_context=128, max_step_tokens=16))
+    for request in hits:
+        assert request.tokens == scratch.generate([request.prompt], 8)["tokens"][0]
     scheduler.release_kept()
     assert len(engine.free_slots) == 3 and len(engine.free_pages) == engine.sizes["P"]

@@ -57,8 +57,9 @@ conversations than prefix slots that come back in a cycle (a client queueing req
 recently used releases every end just before its turn and serves none; protected for twice the usual distance
 between a conversation's turns, the ends made first wait for their turns (as many conversations served as there
 are slots) and an abandoned conversation's end ages out. Where next turns come at once, least recently used serves
-more (abandoned ends go first). Both rules are simulated side by side over the prefix cache's own slots, and the
-one that would have served more of the latest later turns runs (_protecting).
+more (abandoned ends go first). Both rules are simulated side by side, each releasing as the cache does, and the one
+that would have served more of the latest later turns runs — where both would have served as many, the one running
+(_protecting).
 
 With data-parallel ranks (engine.ranks > 1) pages are counted per rank: a request is admitted when the rank it
 would go to has the pages, and the request preempted is the youngest on a rank whose plan outgrows its pool.
@@ -151,7 +152,8 @@ MAX_DROPPED = 4
 #: trailing newline).
 REPLY_END = 4
 #: Later turns whose kind (replies left out or not) decides whether first turns snapshot their prompt's end, and
-#: whose distances from their last turn decide how long an unused prompt end is protected.
+#: whose distances from their last turn decide how long an unused prompt end is protected; and later turns where the
+#: simulated rules differ, which decide whether prompt ends are protected.
 TURNS_REMEMBERED = 16
 #: An unused prompt end is protected from making room for another until this many times the median distance (in
 #: requests admitted) between a conversation's turns seen lately has passed since its request was admitted.
@@ -185,10 +187,10 @@ class Scheduler:
         # requests admitted between each of the latest later turns and its last turn (_protected)
         self._turn_distances: deque[int] = deque(maxlen=TURNS_REMEMBERED)
         self._admissions = 0  # requests admitted so far (the clock of _protected)
-        # the prompt ends (their makers' admission orders, oldest first) that the prefix cache's own slots would hold
-        # under least recently used and under protection, simulated side by side whichever rule runs, and whether
-        # each of the latest later turns that left the reply out would have found its last prompt's end in each
-        # (_protecting)
+        # the prompt ends (their makers' admission orders, oldest first) that the prefix cache would hold under least
+        # recently used and under protection, simulated side by side whichever rule runs, and whether each of the
+        # latest later turns that left the reply out and found its last prompt's end in one simulated cache but not
+        # the other found it in each (_protecting)
         self._simulated: dict[str, list[int]] = {"lru": [], "protect": []}
         self._simulated_hits: deque[tuple[bool, bool]] = deque(maxlen=TURNS_REMEMBERED)
         # chained hashes of admitted prompts' whole pages -> what ended after that page (None: nothing)
@@ -298,6 +300,7 @@ class Scheduler:
                 continue
             if not self._admitted(request):
                 break  # oldest first: later requests wait behind it rather than starve it
+        self._snapshot()  # a request admitted right at its point (it started from a kept sequence that ends there)
 
     def _prepare(self, request: Request) -> None:
         """A request's feed (its prompt) and snapshot point, when it is first considered for admission: the end of
@@ -716,9 +719,9 @@ class Scheduler:
             if ends is None or not ends.tails:
                 continue
             start = (index + 1) * page
-            for tail, order in ends.tails:
-                agreed = next((i for i, (a, b) in enumerate(zip(tail, prompt[start:])) if a != b),
-                              min(len(tail), len(prompt) - start))
+            agreeing_tails = sorted(((_agreement(tail, prompt, start), tail, order) for tail, order in ends.tails),
+                                    key=lambda candidate: -candidate[0])  # the latest turn ending on this page first
+            for agreed, tail, order in agreeing_tails:
                 dropped, left = len(tail) - agreed, start + agreed
                 if dropped > MAX_DROPPED or left >= len(prompt):
                     continue
@@ -851,12 +854,14 @@ class Scheduler:
         return self.engine.cache_cfg.max_seqs - self.max_running
 
     def _protecting(self) -> bool:
-        """Whether prompt ends are protected: where, over the latest later turns, protection would have served more
-        of them than least recently used (both simulated). With more conversations than prefix slots that come back
-        in a cycle (a client queueing requests in arrival order), least recently used releases each end just before
-        its turn and serves none, protection as many as there are slots; where next turns come at once (admitted
-        ahead of waiting first turns), least recently used releases abandoned conversations' ends first and serves
-        more."""
+        """Whether prompt ends are protected: where, over the latest later turns that one simulated rule would have
+        served and the other not, protection would have served more (a turn both serve, or neither, says nothing:
+        with many more conversations than slots, protection serves a few turns a cycle, and a window of all turns
+        would lose them within a round and hand the protected ends back). With more conversations than prefix
+        slots that come back in a cycle (a client queueing requests in arrival order), least recently used releases
+        each end just before its turn and serves none, protection as many as there are slots; where next turns come
+        at once (admitted ahead of waiting first turns), least recently used releases abandoned conversations' ends
+        first and serves more."""
         return sum(protect for _, protect in self._simulated_hits) > sum(lru for lru, _ in self._simulated_hits)
 
     def _simulate_end(self, order: int) -> None:
@@ -880,9 +885,10 @@ class Scheduler:
 
     def _simulate_turn(self, order: int) -> None:
         """A later turn that left the reply out of the prompt the request admitted `order`-th made: whether each
-        simulated cache held that prompt's end (taken over)."""
+        simulated cache held that prompt's end (taken over), remembered where they differ."""
         lru, protect = (order in self._simulated[rule] for rule in ("lru", "protect"))
-        self._simulated_hits.append((lru, protect))
+        if lru != protect:  # (a turn both rules serve, or neither, says nothing about which to run)
+            self._simulated_hits.append((lru, protect))
         for kept in self._simulated.values():
             if order in kept:
                 kept.remove(order)
@@ -913,6 +919,11 @@ class Scheduler:
         for _ in self.stream(requests):
             pass
         return requests
+
+
+def _agreement(tail: tuple[int, ...], prompt: list[int], start: int) -> int:
+    """How many of an earlier prompt's `tail` (its tokens past a page) a prompt repeats from `start`."""
+    return next((i for i, (a, b) in enumerate(zip(tail, prompt[start:])) if a != b), min(len(tail), len(prompt) - start))
 
 
 def _holds(tokens: list[int], part: tuple[int, ...]) -> bool:
