@@ -58,8 +58,7 @@ recently used releases every end just before its turn and serves none; protected
 between a conversation's turns, the ends made first wait for their turns (as many conversations served as there
 are slots) and an abandoned conversation's end ages out. Where next turns come at once, least recently used serves
 more (abandoned ends go first). Both rules are simulated side by side, each releasing as the cache does, and the one
-that would have served more of the latest later turns runs — where both would have served as many, the one running
-(_protecting).
+that would have served more of the latest later turns where they differ runs (_protecting).
 
 With data-parallel ranks (engine.ranks > 1) pages are counted per rank: a request is admitted when the rank it
 would go to has the pages, and the request preempted is the youngest on a rank whose plan outgrows its pool.
