@@ -878,6 +878,8 @@ def test_bench_url_measures_the_server_with_the_in_process_metrics(server):
     report = run_bench(BenchOptions(source=None, url=server.url, input_len=6, output_len=4, concurrency=(1,),
                                     num_prompts=2, n=3, sampling=Sampling(1.0, 0, 1.0, 5)), emit=lambda line: None)
     assert (report["runs"][0]["n"], report["runs"][0]["requests"]) == (3, 6) and report["runs"][0]["complete"]
+    run = report["runs"][0]  # every choice's tokens counted by the client, as many as the server made
+    assert run["output_tok_s"] * run["measured_seconds"]["duration"] == pytest.approx(2 * 3 * 4)
     assert _metric(server, "qcompile_generation_tokens_total") == made + 2 * 3 * 4
     server.wait_pool_full()
     assert prefix_counters("http://127.0.0.1:9") is None  # nothing answers: the run record has no prefix_cache
