@@ -383,10 +383,20 @@ def _refuse_overwriting_inputs(path: Path, flag: str, inputs: tuple) -> None:
               help="Sample from the smallest set of tokens whose probability reaches P (1: all).")
 @click.option("--seed", default=0, show_default=True, type=int,
               help="Sampling seed; prompt i draws with seed + i, so a run is reproducible whatever the batch.")
+@click.option("--min-p", default=0.0, show_default=True, type=float,
+              help="With --temperature: keep the tokens at least P times as likely as the most likely (0: off).")
+@click.option("--presence-penalty", default=0.0, show_default=True, type=float,
+              help="Subtract this (-2..2) from the logit of every token already made (OpenAI's; greedy too).")
+@click.option("--frequency-penalty", default=0.0, show_default=True, type=float,
+              help="Subtract this (-2..2) times the times a token was made from its logit (OpenAI's; greedy too).")
+@click.option("--repetition-penalty", default=1.0, show_default=True, type=float,
+              help="Divide a positive logit (multiply a negative one) by R for every token of the prompt or made so "
+                   "far (Hugging Face's; 1: off; greedy too).")
 @_cluster_options
 def run_cmd(checkpoint, prompt_ids, prompt_texts, chat_texts, system, chat_template_path, max_new_tokens, dtype,
-            save_logits, ignore_eos, memory_budget, as_json, mesh_spec, temperature, top_k, top_p, seed, coordinator,
-            num_processes, process_id, join_timeout):
+            save_logits, ignore_eos, memory_budget, as_json, mesh_spec, temperature, top_k, top_p, seed, min_p,
+            presence_penalty, frequency_penalty, repetition_penalty, coordinator, num_processes, process_id,
+            join_timeout):
     """Greedy-generate from CHECKPOINT (or a compiled artifact directory) and print the new token ids (the text,
     for --prompt and --chat).
 
@@ -430,9 +440,11 @@ def run_cmd(checkpoint, prompt_ids, prompt_texts, chat_texts, system, chat_templ
             raise UsageError("--prompt is empty (it encodes to no tokens)")
     else:
         prompts = [_parse_ids(text) for text in prompt_ids]
-    sampling = Sampling(temperature, top_k, top_p, seed)  # refused (exit 2) before anything loads
-    if not sampling.greedy and save_logits is not None:
-        raise UsageError("--save-logits saves a greedy run's prompt logits; drop --temperature")
+    sampling = Sampling(temperature, top_k, top_p, seed, min_p=min_p, presence_penalty=presence_penalty,
+                        frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty)  # refused (exit 2)
+    # before anything loads
+    if not sampling.argmax and save_logits is not None:
+        raise UsageError("--save-logits saves a greedy run's prompt logits; drop --temperature and the penalties")
     cluster = _cluster(coordinator, num_processes, process_id, join_timeout)
     from qcompile.runtime.artifact import is_artifact, load_artifact
     from qcompile.runtime.memory import frozen_heap
@@ -493,7 +505,7 @@ def run_cmd(checkpoint, prompt_ids, prompt_texts, chat_texts, system, chat_templ
         eos_ids = ()
     loaded = time.perf_counter()
     with frozen_heap():  # the loaded model's objects out of the garbage collector's walks (runtime/memory.py)
-        if sampling.greedy:
+        if sampling.argmax:
             result = engine.generate(prompts, max_new_tokens, prompt_logits=save_logits is not None, eos_ids=eos_ids)
         else:
             result = _sample_prompts(engine, prompts, max_new_tokens, eos_ids, sampling)
@@ -759,7 +771,8 @@ def serve_cmd(source, host, port, served_model_name, passes_spec, dtype, max_seq
     """Serve CHECKPOINT (or an artifact) over HTTP with OpenAI's completions and chat APIs (docs/serving.md).
 
     \b
-    POST /v1/completions   prompt as text or token ids; max_tokens, temperature, top_p, top_k, seed, n, stop,
+    POST /v1/completions   prompt as text or token ids; max_tokens, temperature, top_p, top_k, min_p, seed, n,
+                           presence_penalty, frequency_penalty, repetition_penalty, logit_bias, stop,
                            stop_token_ids, ignore_eos, stream (server-sent events), logprobs, echo; choices carry
                            token_ids
     POST /v1/chat/completions

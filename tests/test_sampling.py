@@ -129,11 +129,14 @@ def test_the_compiled_sampler_never_sorts_the_vocabulary():
     import jax
 
     n, vocab = 8, 4096
-    specs = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in
-             (((n, vocab), jnp.float32), ((n,), jnp.int32), ((n,), jnp.float32), ((n,), jnp.int32),
-              ((n,), jnp.float32), ((n,), jnp.uint32), ((n,), jnp.int32))]
-    text = sampling._sample.lower(*specs).compile().as_text()
-    assert "TopK" in text and " sort(" not in text
+    for pairs in (0, 256):  # without and with penalties
+        specs = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in
+                 (((n, vocab), jnp.float32), ((n,), jnp.int32), ((n,), jnp.float32), ((n,), jnp.int32),
+                  ((n,), jnp.float32), ((n,), jnp.uint32), ((n,), jnp.int32), ((n,), jnp.float32))]
+        adjust = tuple(jax.ShapeDtypeStruct((pairs,), dtype)
+                       for dtype in (jnp.int32, jnp.int32, jnp.float32, jnp.float32, jnp.float32))
+        text = sampling._sample.lower(*specs, adjust).compile().as_text()
+        assert "TopK" in text and " sort(" not in text
 
 
 def test_one_sampler_program_per_logits_shape():

@@ -728,14 +728,54 @@ def test_unsupported_fields_pass_at_their_no_op_values_only():
     """OpenAI clients send the fields this server does not implement at their defaults — null, {}, "", 0 or 0.0,
     false, 1 — and those must pass; anything that would change the result is refused, naming the field."""
     info = ModelInfo("m", 100, 64, (2,))
-    defaults = {"best_of": 1, "suffix": "", "presence_penalty": 0.0, "frequency_penalty": 0, "logit_bias": {}}
-    assert parse_completion({"prompt": [5], **defaults}, info).max_tokens == 16
+    defaults = {"best_of": 1, "suffix": "", "presence_penalty": 0.0, "frequency_penalty": 0, "logit_bias": {},
+                "min_p": 0, "repetition_penalty": 1}
+    assert parse_completion({"prompt": [5], **defaults}, info).adjust == {}
     assert parse_completion({"prompt": [5], **{field: None for field in defaults}}, info).max_tokens == 16
-    for field, value in (("best_of", 2), ("best_of", True), ("suffix", " end"), ("presence_penalty", 0.5),
-                         ("frequency_penalty", -1), ("logit_bias", {"5": 100})):
+    for field, value in (("best_of", 2), ("best_of", True), ("suffix", " end")):
         with pytest.raises(BadRequest) as err:
             parse_completion({"prompt": [5], field: value}, info)
         assert err.value.param == field, (field, value)
+
+
+def test_penalties_min_p_and_logit_bias_reach_each_choices_sampling(tokenizer, chat_template):
+    """Qwen3.5's model card asks for presence_penalty 1.5 (and top_k 20, min_p 0, repetition_penalty 1): those and
+    OpenAI's frequency_penalty and logit_bias (token ids as string keys) become each choice's Sampling, greedy too;
+    values out of OpenAI's and vLLM's ranges are refused, naming the field."""
+    from qcompile.runtime.sampling import Sampling
+    from qcompile.runtime.server import parse_chat
+
+    info = ModelInfo("m", 100, 64, (2,))
+    body = {"prompt": [5], "temperature": 0.7, "top_p": 0.8, "top_k": 20, "min_p": 0.05, "presence_penalty": 1.5,
+            "frequency_penalty": -0.25, "repetition_penalty": 1.1, "logit_bias": {"7": -100, "12": 2.5}, "seed": 9}
+    choice = parse_completion(body, info).sampling(1)
+    assert choice == Sampling(0.7, 20, 0.8, 10, min_p=0.05, presence_penalty=1.5, frequency_penalty=-0.25,
+                              repetition_penalty=1.1, logit_bias=((7, -100.0), (12, 2.5)))
+    greedy = parse_completion({**body, "temperature": 0}, info).sampling(0)
+    assert greedy.greedy and not greedy.argmax and greedy.min_p == 0 and greedy.presence_penalty == 1.5
+    chat = parse_chat({"messages": CHAT, **{k: v for k, v in body.items() if k != "prompt"}},
+                      ModelInfo("m", 512, 64, (2,)), tokenizer, chat_template)
+    assert chat.sampling(1) == choice
+    for field, value in (("presence_penalty", 2.5), ("frequency_penalty", -2.1), ("min_p", 1.2), ("min_p", "0.1"),
+                         ("repetition_penalty", 0), ("repetition_penalty", -1), ("logit_bias", {"x": 1}),
+                         ("logit_bias", {"5": 101}), ("logit_bias", {"100": 1}), ("logit_bias", {"5": True}),
+                         ("logit_bias", [5, 1]), ("logit_bias", {str(i): 1 for i in range(1025)})):
+        with pytest.raises(BadRequest) as err:
+            parse_completion({"prompt": [5], field: value}, info)
+        assert err.value.param == field and err.value.status == 400, (field, value)
+
+
+def test_a_presence_penalty_over_http_stops_greedy_repeats(server):
+    """A greedy request with presence_penalty 2 and the model card's other fields: 200, and no token made twice where
+    the same request without it repeats (a tiny random model loops)."""
+    body = {"prompt": [3, 4, 5], "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    plain = httpx.post(server.url + "/v1/completions", json=body, timeout=120).json()["choices"][0]["token_ids"]
+    card = {"top_k": 20, "top_p": 0.8, "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 2.0}
+    response = httpx.post(server.url + "/v1/completions", json={**body, **card}, timeout=120)
+    assert response.status_code == 200, response.text
+    tokens = response.json()["choices"][0]["token_ids"]
+    assert len(set(plain)) < len(plain) and len(set(tokens)) == len(tokens) == 24
+    server.wait_pool_full()
 
 
 def test_a_signal_ends_requests_in_flight_with_abort(model):

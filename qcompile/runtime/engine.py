@@ -560,7 +560,8 @@ class Engine:
 
     def launch_tokens(self, work: list[tuple[Sequence, list]], sampling: list | None = None,
                       counters: list[int] | None = None, logprobs: list[bool] | None = None,
-                      prompt_targets: list[list[int] | None] | None = None) -> LaunchedStep:
+                      prompt_targets: list[list[int] | None] | None = None,
+                      histories: list | None = None) -> LaunchedStep:
         """`step_tokens` without waiting for the step: dispatch it and return at once. A work item's tokens may
         hold pending tokens of an earlier launched step (`LaunchedStep.token(i)`), which this step takes on the
         device: a decode loop launches step N + 1 before it reads step N's tokens, so the host's part of a step
@@ -569,11 +570,13 @@ class Engine:
 
         Log-probabilities (kernels/logprobs.py; read with `LaunchedStep.logprobs()`): `logprobs[i]` scores work item
         i's next token; `prompt_targets[i]`, the tokens that follow its first fed tokens (a prompt's next tokens),
-        scores each of those — that step then computes every fed token's logits row, as `step(all_logits=True)`."""
+        scores each of those — that step then computes every fed token's logits row, as `step(all_logits=True)`.
+        `histories[i]` (runtime/sampling.py's History): the tokens sampling[i]'s penalties read, where it has any.
+        Log-probabilities score the model's own logits, before any penalty or bias (vLLM's default)."""
         wants_next = list(logprobs) if logprobs is not None else [False] * len(work)
         targets = [list(t or ()) for t in prompt_targets] if prompt_targets is not None else [[] for _ in work]
         scoring = any(wants_next) or any(targets)
-        if not scoring and (sampling is None or all(p.greedy for p in sampling)):
+        if not scoring and (sampling is None or all(p.argmax for p in sampling)):
             outputs = self._run(work, False, False)
             return LaunchedStep(outputs[NEXT_TOKENS], [rows[0] for rows in outputs["item_rows"]])
         # An artifact exports logits with its R = T buckets only (R = B ones return greedy ids): sample from those,
@@ -582,7 +585,7 @@ class Engine:
         outputs = self._run(work, all_rows, True)
         item_rows = outputs["item_rows"]
         drawn = sample(outputs[LOGITS], [rows[-1] for rows in item_rows], sampling or [GREEDY] * len(work),
-                       counters if counters is not None else [0] * len(work))
+                       counters if counters is not None else [0] * len(work), histories)
         scored = self._score(outputs[LOGITS], drawn, item_rows, wants_next, targets) if scoring else None
         return LaunchedStep(drawn, list(range(len(work))), scored)
 

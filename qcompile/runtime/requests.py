@@ -23,15 +23,14 @@ __all__ = ["BadRequest", "Completion", "ModelInfo", "parse_chat", "parse_complet
 
 #: OpenAI completion fields this server reads, and the ones it accepts only at their no-op values (null too).
 FIELDS = {"model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "n", "stop", "stop_token_ids",
-          "ignore_eos", "stream", "stream_options", "user", "logprobs", "echo"}
-UNSUPPORTED = {"best_of": (1,), "suffix": ("",), "presence_penalty": (0,), "frequency_penalty": (0,),
-               "logit_bias": ({},)}
+          "ignore_eos", "stream", "stream_options", "user", "logprobs", "echo", "presence_penalty",
+          "frequency_penalty", "repetition_penalty", "min_p", "logit_bias"}
+UNSUPPORTED = {"best_of": (1,), "suffix": ("",)}
 #: The same for chat completions: a completion's fields but `prompt`, plus the conversation and its template's
 #: options. Tools only where the server parses tool calls (--tool-call-parser): else a call would come back as text.
 CHAT_FIELDS = (FIELDS - {"prompt", "echo"}) | {"messages", "max_completion_tokens", "chat_template_kwargs",
                                               "add_generation_prompt", "top_logprobs"}
-CHAT_UNSUPPORTED = {"presence_penalty": (0,), "frequency_penalty": (0,),
-                    "logit_bias": ({},), "tools": ([],), "tool_choice": ("none",), "parallel_tool_calls": (True, False),
+CHAT_UNSUPPORTED = {"tools": ([],), "tool_choice": ("none",), "parallel_tool_calls": (True, False),
                     "response_format": ({"type": "text"},)}
 
 
@@ -42,6 +41,7 @@ MAX_STOP, MAX_STOP_CHARS, MAX_STOP_IDS = 16, 256, 256
 # Choices (prompts × n) per request: each is a request in the engine, made and cancelled one by one; 64 000 of them
 # (1000 prompts × n 64, a 6 KB body) held the event loop ~2 s and the engine thread ~3 s when the client left.
 MAX_CHOICES = 256
+MAX_LOGIT_BIAS = 1024  # token ids a request's logit_bias may name (OpenAI's limit is 300)
 
 
 def _same_value(value, no_op) -> bool:
@@ -93,12 +93,14 @@ class Completion:
     tools: list | None = None  # a chat request's tools (OpenAI's function schemas): its replies' calls are parsed
     logprobs: int | None = None  # score each made token, with this many of the most likely beside it
     echo: bool = False  # a completion's text starts with its prompt (scored too, with logprobs); max_tokens may be 0
+    # min_p, presence_penalty, frequency_penalty, repetition_penalty and logit_bias: Sampling's fields of those names
+    adjust: dict = attrs.Factory(dict)
 
     def sampling(self, choice: int) -> Sampling:
-        if self.temperature == 0:
-            return Sampling()
+        if self.temperature == 0:  # greedy: penalties and biases still move the argmax; min-p cannot
+            return Sampling(**{k: v for k, v in self.adjust.items() if k != "min_p"})
         seed = random.getrandbits(32) if self.seed is None else (self.seed + choice) % 2**32
-        return Sampling(self.temperature, self.top_k, self.top_p, seed)
+        return Sampling(self.temperature, self.top_k, self.top_p, seed, **self.adjust)
 
 
 def _is_int(value) -> bool:
@@ -125,6 +127,34 @@ def _integer(body: dict, field: str, default, low: int, high: int | None = None)
         limit = f">= {low}" if high is None else f"in {low}..{high}"
         raise BadRequest(field, f"'{field}' must be an integer {limit}, got {json.dumps(value)}")
     return value
+
+
+def _adjustments(body: dict, info: ModelInfo) -> dict:
+    """The request's penalties, min-p and logit bias, in OpenAI's (and vLLM's) ranges, as Sampling's fields (those
+    at their no-op values left out)."""
+    adjust = {"min_p": _number(body, "min_p", 0.0, 0, 1),
+              "presence_penalty": _number(body, "presence_penalty", 0.0, -2, 2),
+              "frequency_penalty": _number(body, "frequency_penalty", 0.0, -2, 2),
+              "repetition_penalty": _number(body, "repetition_penalty", 1.0, 0, 100, low_open=True)}
+    adjust = {field: value for field, value in adjust.items() if value != (1.0 if field == "repetition_penalty" else 0)}
+    bias = body.get("logit_bias")
+    if bias is None or bias == {}:
+        return adjust
+    shape = "'logit_bias' must map token ids (as strings) to biases in [-100, 100]"
+    if not isinstance(bias, dict):
+        raise BadRequest("logit_bias", shape)
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise BadRequest("logit_bias", f"'logit_bias' may name at most {MAX_LOGIT_BIAS} tokens, got {len(bias)}")
+    pairs = []
+    for key, value in bias.items():
+        token = int(key) if re.fullmatch(r"\s*[0-9]+\s*", key) else None
+        if token is None or not isinstance(value, (int, float)) or isinstance(value, bool) or not -100 <= value <= 100:
+            raise BadRequest("logit_bias", f"{shape}; got {json.dumps(key)}: {json.dumps(value)}")
+        if token >= info.vocab_size:
+            raise BadRequest("logit_bias", f"logit_bias token id {token} is outside the vocabulary "
+                                           f"(0..{info.vocab_size - 1})")
+        pairs.append((token, float(value)))
+    return {**adjust, "logit_bias": tuple(pairs)}
 
 
 def _prompts(body: dict, info: ModelInfo, tokenizer) -> list[list[int]]:
@@ -231,7 +261,8 @@ def parse_completion(body, info: ModelInfo, tokenizer=None) -> Completion:
         top_k=min(max(0, _integer(body, "top_k", 0, -1)), info.vocab_size),  # -1 and 0: off; past V: all
         seed=None if seed is None else seed % 2**32, stop=tuple(stop or ()),
         stop_ids=tuple(dict.fromkeys([*eos, *stop_ids])), stream=flags["stream"],
-        include_usage=bool(options.get("include_usage")), logprobs=logprobs, echo=echo)
+        include_usage=bool(options.get("include_usage")), logprobs=logprobs, echo=echo,
+        adjust=_adjustments(body, info))
 
 
 def _flag(body: dict, field: str) -> bool:

@@ -15,6 +15,14 @@ Nothing sorts the vocabulary (two sorts per row made a sampled c = 32 decode ste
 them, and the token is drawn there; the other rows — temperature alone, k > 256, a nucleus wider than 256 tokens —
 are drawn over the whole row, their thresholds found exactly by bisection over the float order. A draw is the
 inverse CDF at one uniform per request.
+
+Before any of that, a request may adjust its logits, greedy requests too (the order of vLLM's sampler): OpenAI's
+`logit_bias` is added; a repetition penalty r divides a positive logit by r and multiplies a negative one by r for
+every token in the prompt or made so far (Hugging Face's and vLLM's rule); then OpenAI's frequency and presence
+penalties subtract f × (times made) + p × (made at all), over the tokens made only. After the temperature, min-p
+keeps the tokens at least min_p times as likely as the most likely one (vLLM's rule, before top-k and top-p). The
+adjustments are one gather and one scatter over the (request, token) pairs they touch, which the host builds from each
+request's `History` (only those pairs travel); a request that adjusts nothing costs nothing.
 """
 
 from __future__ import annotations
@@ -37,6 +45,11 @@ class Sampling:
     top_k: int = 0  # 0: no top-k filter
     top_p: float = 1.0  # 1: no nucleus filter
     seed: int = 0
+    min_p: float = 0.0  # 0: no min-p filter
+    presence_penalty: float = 0.0  # subtracted from each token made at all (OpenAI's range: -2..2)
+    frequency_penalty: float = 0.0  # subtracted per time a token was made (-2..2)
+    repetition_penalty: float = 1.0  # a token of the prompt or made so far: logit / r if positive, else × r
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit: -100..100)
 
     def __attrs_post_init__(self):
         if not (self.temperature >= 0 and np.isfinite(self.temperature)):
@@ -47,13 +60,70 @@ class Sampling:
             raise UsageError(f"top_p (--top-p) must be in (0, 1], got {self.top_p}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)) or not 0 <= self.seed < 2**32:
             raise UsageError(f"seed (--seed) must be an integer in 0..2^32-1, got {self.seed!r}")
+        if not 0 <= self.min_p <= 1:
+            raise UsageError(f"min_p (--min-p) must be in [0, 1], got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise UsageError(f"{name} (--{name.replace('_', '-')}) must be in [-2, 2], got {getattr(self, name)}")
+        if not (0 < self.repetition_penalty and np.isfinite(self.repetition_penalty)):
+            raise UsageError(f"repetition_penalty (--repetition-penalty) must be a finite number > 0 (1: off), got "
+                             f"{self.repetition_penalty}")
+        if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) and t >= 0 and -100 <= b <= 100
+                   for t, b in self.logit_bias):
+            raise UsageError("logit_bias maps token ids >= 0 to biases in [-100, 100]")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def uses_history(self) -> bool:
+        """Whether its logits depend on the tokens before (a penalty): the sampler needs its `History`."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @property
+    def argmax(self) -> bool:
+        """Whether its token is the raw logits' argmax: greedy with nothing adjusted (a step's own greedy ids)."""
+        return self.greedy and not self.uses_history and not self.logit_bias
+
 
 GREEDY = Sampling()
+
+
+@attrs.define(eq=False)
+class History:
+    """What a request's penalties read, kept up to date as it makes tokens: the distinct tokens of its prompt (for a
+    repetition penalty) and of what it made (`made`: the request's own list, read, not copied), sorted, with how
+    many times each was made. A step adds a token or two (an insertion into arrays of ~thousands), so the pairs a
+    step sends cost a few numpy operations per request, not a walk over everything it made."""
+
+    made: list
+    tokens: np.ndarray  # sorted distinct token ids
+    times: np.ndarray  # float64: how many times each was made
+    in_prompt: np.ndarray  # bool: in the prompt (read by the repetition penalty only)
+    counted: int = 0  # how much of `made` is in `times`
+
+    @classmethod
+    def of(cls, prompt, made: list, sampling: Sampling) -> "History":
+        seen = np.unique(np.asarray(prompt, np.int64)) if sampling.repetition_penalty != 1 else np.zeros(0, np.int64)
+        return cls(made, seen, np.zeros(len(seen)), np.ones(len(seen), bool))
+
+    def update(self) -> "History":
+        """Count the tokens made since the last call."""
+        if self.counted == len(self.made):
+            return self
+        new, times = np.unique(np.asarray(self.made[self.counted:], np.int64), return_counts=True)
+        self.counted = len(self.made)
+        at = np.searchsorted(self.tokens, new)
+        present = at < len(self.tokens)
+        present[present] = self.tokens[at[present]] == new[present]
+        self.times[at[present]] += times[present]
+        absent = ~present
+        if absent.any():
+            self.tokens = np.insert(self.tokens, at[absent], new[absent])
+            self.times = np.insert(self.times, at[absent], times[absent].astype(np.float64))
+            self.in_prompt = np.insert(self.in_prompt, at[absent], False)
+        return self
 
 
 CANDIDATES = 256  # a draw whose filters settle among a row's 256 largest logits never looks at the rest of the row
@@ -173,23 +243,42 @@ def _last_positive(weight):
     return weight.shape[-1] - 1 - jnp.argmax(weight[:, ::-1] > 0, axis=-1)
 
 
+def _adjusted(raw, pairs):
+    """raw [n, V] with each (item, token) pair's adjustment applied (the module docstring's order): pairs = (items,
+    tokens, bias, factor, minus), one entry per distinct pair; an entry whose item is n (padding) changes nothing."""
+    items, tokens, bias, factor, minus = pairs
+    value = raw.at[items, tokens].get(mode="fill", fill_value=0.0) + bias
+    value = jnp.where(value > 0, value / factor, value * factor) - minus
+    return raw.at[items, tokens].set(value, mode="drop")
+
+
+def _min_p(x, min_p):
+    """Tempered logits x [n, V] with the tokens less than min_p times as likely as the row's most likely at -inf."""
+    floor = jnp.max(x, -1) + jnp.log(jnp.maximum(min_p, 1e-30))
+    return jnp.where((min_p > 0)[:, None] & (x < floor[:, None]), -jnp.inf, x)
+
+
 @functools.partial(jax.jit, static_argnames=())
-def _sample(logits, rows, temperature, top_k, top_p, seeds, counters):
-    raw = logits[rows].astype(jnp.float32)
+def _sample(logits, rows, temperature, top_k, top_p, seeds, counters, min_p, pairs):
+    raw = _adjusted(logits[rows].astype(jnp.float32), pairs)
     greedy = greedy_cpu(raw)  # argmax as two vector reductions: XLA CPU's argmax took 13 ms at [32, 248320], this 2
     sampled = temperature > 0
     x = raw / jnp.where(sampled, temperature, 1.0)[:, None]
     top_k, top_p = jnp.where(sampled, top_k, 0), jnp.where(sampled, top_p, 1.0)  # greedy rows filter nothing
+    min_p = jnp.where(sampled, min_p, 0.0)
+    x = lax.cond(jnp.any(min_p > 0), lambda: _min_p(x, min_p), lambda: x)
     u = jax.vmap(lambda s, c: jax.random.uniform(jax.random.fold_in(jax.random.PRNGKey(s), c)))(seeds, counters)
 
     def among_candidates():
         values, ids, keep, settled = _candidates(x, top_k, top_p)
+        # min-p's -inf past the candidates (their last is -inf): every token it keeps is among them
+        settled = settled | (jnp.min(values, -1) == -jnp.inf)
         weight = jnp.where(keep, jnp.exp(values - jnp.max(values, -1, keepdims=True)), 0.0)
         return jnp.take_along_axis(ids, _draw(weight, u)[:, None], axis=-1)[:, 0].astype(jnp.int32), settled
 
     # Without a filter on any sampled row (temperature alone, serve's default) the candidates settle nothing: skip
     # their top_k (most of the sampler's time at a large vocabulary; docs/serving.md "Sampling").
-    filtering = jnp.any(sampled & ((top_k > 0) | (top_p < 1)))
+    filtering = jnp.any(sampled & ((top_k > 0) | (top_p < 1) | (min_p > 0)))
     fast, settled = lax.cond(filtering, among_candidates,
                              lambda: (jnp.zeros_like(greedy), jnp.zeros(greedy.shape, jnp.bool_)))
 
@@ -201,21 +290,66 @@ def _sample(logits, rows, temperature, top_k, top_p, seeds, counters):
     return jnp.where(sampled, jnp.where(settled, fast, slow), greedy).astype(jnp.int32)
 
 
-def sample(logits, rows: list[int], params: list[Sampling], counters: list[int]):
+def _pairs(params: list[Sampling], histories: list, items: int, vocab: int):
+    """The (item, token) adjustments of `_adjusted` as numpy arrays, one entry per distinct pair, padded to a power
+    of 4 from 1024 with entries of item `items` (dropped): one sampler program per size, each ~1.5 s to compile on
+    2 cores the first time a step needs it (five sizes cover 32 requests of 8000 distinct tokens each; the scatter
+    of a padded entry costs next to nothing). histories[i] is params[i]'s History (None when it uses none)."""
+    parts = []
+    for index, (param, history) in enumerate(zip(params, histories)):
+        if not param.uses_history and not param.logit_bias:
+            continue
+        if param.uses_history:
+            history.update()
+            tokens, times, in_prompt = history.tokens, history.times, history.in_prompt
+        else:
+            tokens, times, in_prompt = np.zeros(0, np.int64), np.zeros(0), np.zeros(0, bool)
+        bias = np.zeros(len(tokens))
+        if param.logit_bias:
+            biased = dict(param.logit_bias)  # a token's last bias, as a JSON object's last key wins
+            ids = np.array([t for t in biased if 0 <= t < vocab], np.int64)
+            merged = np.union1d(tokens, ids)
+            spread = np.searchsorted(merged, tokens)
+            wide_times, wide_prompt = np.zeros(len(merged)), np.zeros(len(merged), bool)
+            wide_times[spread], wide_prompt[spread] = times, in_prompt
+            tokens, times, in_prompt, bias = merged, wide_times, wide_prompt, np.zeros(len(merged))
+            bias[np.searchsorted(merged, ids)] = [biased[int(t)] for t in ids]
+        made = times > 0
+        factor = np.where(made | in_prompt, param.repetition_penalty, 1.0)
+        minus = param.frequency_penalty * times + param.presence_penalty * made
+        parts.append((np.full(len(tokens), index), tokens, bias, factor, minus))
+    count = sum(len(part[1]) for part in parts)
+    size = 0 if count == 0 else 1 << max(10, 2 * -(-(count - 1).bit_length() // 2))  # a power of 4 from 1024
+    arrays = [np.concatenate([part[k] for part in parts]) if parts else np.zeros(0) for k in range(5)]
+    pad = size - count
+    fills = (items, 0, 0.0, 1.0, 0.0)
+    dtypes = (np.int32, np.int32, np.float32, np.float32, np.float32)
+    return tuple(np.concatenate([a.astype(dt), np.full(pad, fill, dt)]) for a, fill, dt in zip(arrays, fills, dtypes))
+
+
+def sample(logits, rows: list[int], params: list[Sampling], counters: list[int], histories: list | None = None):
     """The next token of each item (on the device): row rows[i] of logits [R, V], drawn with params[i] as the
-    counters[i]-th token of its request. The result has R entries (or the power of two ≥ len(rows) if more; its
+    counters[i]-th token of its request, its logits adjusted by its penalties over histories[i] (a `History`; None
+    for an item whose sampling uses none). The result has R entries (or the power of two ≥ len(rows) if more; its
     first len(rows) are the tokens): items are padded to R with greedy copies of the first, so one program per
-    logits shape is ever compiled (a decode step's R is already the power of two its items were bucketed to; a
-    padding row costs about what a sampled one does: 8 rows of 32000 took 2.4 ms, 1 row 0.6 ms, on 2 cores)."""
+    logits shape (and number of adjusted (item, token) pairs, in powers of 4 from 1024) is ever compiled (a decode
+    step's R is already the power of two its items were bucketed to; a padding row costs about what a sampled one
+    does: 8 rows of 32000 took 2.4 ms, 1 row 0.6 ms, on 2 cores)."""
     fill = max(logits.shape[0], 1 << max(0, (len(rows) - 1).bit_length())) - len(rows)  # more items than rows:
     # a power of two
     params = list(params) + [GREEDY] * fill
+    histories = list(histories if histories is not None else [None] * len(rows)) + [None] * fill
+    missing = [i for i, (p, h) in enumerate(zip(params, histories)) if p.uses_history and h is None]
+    if missing:
+        raise UsageError(f"item {missing[0]} samples with penalties but was given no History of its tokens")
+    pairs = _pairs(params, histories, len(params), logits.shape[-1])
     return _sample(logits, jnp.asarray(list(rows) + [rows[0]] * fill, jnp.int32),
                    jnp.asarray([p.temperature for p in params], jnp.float32),
                    jnp.asarray([p.top_k for p in params], jnp.int32),
                    jnp.asarray([p.top_p for p in params], jnp.float32),
                    jnp.asarray(np.array([p.seed for p in params], np.uint32)),
-                   jnp.asarray(list(counters) + [0] * fill, jnp.int32))
+                   jnp.asarray(list(counters) + [0] * fill, jnp.int32),
+                   jnp.asarray([p.min_p for p in params], jnp.float32), tuple(jnp.asarray(a) for a in pairs))
 
 
 def warm_sampler(logits_shape: tuple[int, int], dtype) -> None:

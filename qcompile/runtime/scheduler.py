@@ -19,7 +19,8 @@ its decode tokens taken on the device, requests that reach their max new tokens 
 and only then reads the step in flight and returns its tokens. So the host's planning, packing and dispatch overlap
 the device's step. A request whose token turns out to be a stop id has had one more token made for it, which is
 dropped; a plan that would need a preemption is not launched ahead: the step in flight is read first and the next
-call plans on what it made, as without pipelining.
+call plans on what it made, as without pipelining. So is a step after one where a request samples with a penalty
+(runtime/sampling.py: its logits read every token it made, the one in flight too, on the host).
 
 Choices of one prompt (a request's `n`) share its prefill: a request whose `parent` is an earlier one with the same
 prompt waits while the parent feeds all of the prompt but its last token, then gets a copy of the parent's cache
@@ -79,7 +80,7 @@ import attrs
 
 from qcompile.errors import UsageError
 from qcompile.runtime.engine import Engine, LaunchedStep, PendingToken, Sequence
-from qcompile.runtime.sampling import GREEDY, Sampling
+from qcompile.runtime.sampling import GREEDY, History, Sampling
 
 
 @attrs.define(eq=False)
@@ -98,6 +99,7 @@ class Request:
     prefilled: int = 0             # preemption); how much of it is
     preemptions: int = 0
     sampling: Sampling = GREEDY  # temperature / top-k / top-p / seed (runtime/sampling.py); greedy by default
+    history: History | None = None  # what its sampling's penalties read (made at its first step; None: no penalty)
     logprobs: bool = False  # score each made token: `token_logprobs` (engine.TokenLogprob, with the top ids there)
     prompt_logprobs: bool = False  # score each prompt token after the first: `prompt_scores`
     token_logprobs: list = attrs.Factory(list)
@@ -543,6 +545,8 @@ class Scheduler:
         step, plan, _ = self._in_flight
         pending = {request: step.token(index) for index, (request, _, emits) in enumerate(plan)
                    if emits and request.finish_reason is None}
+        if any(request.sampling.uses_history for request in pending):
+            return None  # its penalties need the token in flight on the host: read it first (no step ahead)
         self._admit()
         ahead = self._plan(pending)
         if self._short_rank(ahead) is not None:
@@ -553,8 +557,11 @@ class Scheduler:
         """Launch `plan` (its prompt chunks marked fed); (the launched step, plan), or None for an empty plan."""
         if not plan:
             return None
-        counters, targets, starts = [], [], []
+        counters, targets, starts, histories = [], [], [], []
         for request, tokens, _ in plan:
+            if request.sampling.uses_history and request.history is None:
+                request.history = History.of(request.prompt, request.tokens, request.sampling)
+            histories.append(request.history)
             targets.append(self._prompt_targets(request, len(tokens)))
             starts.append(request.prefilled)
             if request.prefilled < len(request.feed):
@@ -563,7 +570,7 @@ class Scheduler:
         launched = self.engine.launch_tokens([(request.seq, tokens) for request, tokens, _ in plan],
                                              [request.sampling for request, _, _ in plan], counters,
                                              [request.logprobs and emits for request, _, emits in plan],
-                                             targets if any(targets) else None)
+                                             targets if any(targets) else None, histories)
         self.steps += 1
         return launched, plan, starts
 
