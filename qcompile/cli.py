@@ -765,9 +765,14 @@ def _artifact_request_slots(slots: int, prefix_slots: int, ranks: int) -> int:
               help="Accept chat requests' tools (rendered by the chat template) and return the reply's calls as "
                    "message.tool_calls: hermes reads <tool_call>{JSON}</tool_call> (Qwen3, Qwen3-Next), qwen3_coder "
                    "<tool_call><function=NAME><parameter=K>...</tool_call> (Qwen3.5, Qwen3-Coder).")
+@click.option("--generation-config", "generation_config", type=click.Choice(["auto", "none"]), default="auto",
+              show_default=True,
+              help="auto: a request that leaves out temperature, top_p, top_k, min_p or repetition_penalty gets the "
+                   "value the model's generation_config.json sets (as vLLM does; Qwen3.5's sets its recommended "
+                   "sampling); none: OpenAI's defaults (temperature 1, no filter).")
 def serve_cmd(source, host, port, served_model_name, passes_spec, dtype, max_seqs, max_context, num_pages,
               max_step_tokens, memory_budget, verify, no_warmup, prefix_cache, prefix_slots, mesh_spec, chat_template_path,
-              reasoning_parser, enable_auto_tool_choice, tool_call_parser):
+              reasoning_parser, enable_auto_tool_choice, tool_call_parser, generation_config):
     """Serve CHECKPOINT (or an artifact) over HTTP with OpenAI's completions and chat APIs (docs/serving.md).
 
     \b
@@ -826,6 +831,7 @@ def serve_cmd(source, host, port, served_model_name, passes_spec, dtype, max_seq
                 click.echo(art.weights_note, err=True)
             engine = art.engine(memory_budget)
             eos_ids, vocab = tuple(art.config_json.get("eos_token_ids") or ()), int(art.config_json["vocab_size"])
+            generation = dict(art.config_json.get("generation_defaults") or ())
             requests = _artifact_request_slots(engine.cache_cfg.max_seqs, prefix_slots or 0, engine.ranks)
         else:
             from qcompile.compiler.builds import builds_from_checkpoint
@@ -852,6 +858,7 @@ def serve_cmd(source, host, port, served_model_name, passes_spec, dtype, max_seq
 
             engine = Engine(builds[0].graph, builds[0].params, cache, target, memory_budget)
             eos_ids, vocab = tuple(ckpt.config.eos_token_ids), ckpt.config.vocab_size
+            generation = dict(ckpt.config.generation_defaults)
         if engine.pool_note:
             click.echo(f"qcompile: {engine.pool_note}", err=True)
         tokenizer = None
@@ -871,7 +878,8 @@ def serve_cmd(source, host, port, served_model_name, passes_spec, dtype, max_seq
             # sampled requests too (an artifact's sampled steps use its all-token buckets, exported ready)
             engine.compile_all_buckets(sampling=not artifact or art.program.samples)
         name = served_model_name or Path(source).resolve().name
-        info = ModelInfo(name=name, vocab_size=vocab, max_context=engine.cache_cfg.max_context, eos_ids=eos_ids)
+        info = ModelInfo(name=name, vocab_size=vocab, max_context=engine.cache_cfg.max_context, eos_ids=eos_ids,
+                         defaults=_request_defaults(generation if generation_config == "auto" else {}))
         metrics = Metrics()
         loop = EngineLoop(Scheduler(engine, prefix_cache=prefix_cache, max_running=requests), metrics.on_state)
         metrics.on_state(loop.state())
@@ -890,6 +898,22 @@ def serve_cmd(source, host, port, served_model_name, passes_spec, dtype, max_seq
             loop.stop()
     finally:
         sock.close()
+
+
+def _request_defaults(generation: dict) -> dict:
+    """generation_config.json's sampling fields that a request may take as its defaults, each said on stderr (and each
+    out of a request's range, with why it is left out)."""
+    from qcompile.runtime.requests import request_defaults
+
+    defaults, refused = request_defaults(generation)
+    if defaults:
+        shown = ", ".join(f"{field} {value:g}" for field, value in defaults.items())
+        click.echo(f"qcompile: requests that leave them out sample with generation_config.json's {shown} "
+                   "(--generation-config none: OpenAI's defaults)", err=True)
+    if refused:
+        click.echo(f"qcompile: warning: generation_config.json's {', '.join(refused)} left out: outside what a "
+                   "request may ask for", err=True)
+    return defaults
 
 
 @cli.command("check", context_settings=CONTEXT)

@@ -16,12 +16,14 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -833,7 +835,11 @@ def test_the_serve_command_starts_answers_and_stops_on_ctrl_c(model, tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
     # the checkpoint has no template, nor a tokenizer_config.json naming its special tokens
     (tmp_path / "chat.jinja").write_text('{%- set bos_token, eos_token = "<s>", "</s>" %}\n' + TINY_CHAT_TEMPLATE)
-    command = [sys.executable, "-m", "qcompile.cli", "serve", str(model.checkpoint.path), "--port", "0",
+    checkpoint = tmp_path / "ckpt"  # with a generation_config.json whose sampling defaults requests take
+    source = Path(model.checkpoint.path)
+    shutil.copytree(source if source.is_dir() else source.parent, checkpoint)
+    (checkpoint / "generation_config.json").write_text(json.dumps({"temperature": 0.5, "top_k": 1, "top_p": 2.0}))
+    command = [sys.executable, "-m", "qcompile.cli", "serve", str(checkpoint), "--port", "0",
                "--passes", "none", "--verify", "none", "--no-warmup", "--max-seqs", "2", "--max-context", "32",
                "--reasoning-parser", "qwen3", "--tool-call-parser", "qwen3_coder", "--enable-auto-tool-choice",
                "--chat-template", str(tmp_path / "chat.jinja")]
@@ -850,6 +856,11 @@ def test_the_serve_command_starts_answers_and_stops_on_ctrl_c(model, tmp_path):
         got = httpx.post(url + "/v1/completions", json={"prompt": "A compiler", "max_tokens": 3, "temperature": 0},
                          timeout=120).json()
         assert len(got["choices"][0]["token_ids"]) == 3
+        defaults = httpx.post(url + "/v1/completions", json={"prompt": "A compiler", "max_tokens": 3},
+                              timeout=120).json()  # generation_config.json's top_k 1: the greedy tokens
+        assert defaults["choices"][0]["token_ids"] == got["choices"][0]["token_ids"]
+        said = "".join(seen)
+        assert "generation_config.json's temperature 0.5, top_k 1 " in said and "top_p 2.0 left out" in said
         chat = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
                                                               "max_tokens": 2, "logprobs": True}, timeout=120).json()
         assert chat["choices"][0]["message"]["role"] == "assistant" and len(chat["choices"][0]["token_ids"]) == 2
@@ -876,6 +887,33 @@ def test_the_serve_command_starts_answers_and_stops_on_ctrl_c(model, tmp_path):
                               env=env, timeout=120)
     assert template.returncode == 2 and "cannot read the chat template" in template.stderr
     assert len(template.stderr.strip().splitlines()) == 1
+
+
+def test_generation_config_sets_the_sampling_defaults_of_requests_that_leave_them_out(tmp_path):
+    """As vLLM's --generation-config auto: the fields of generation_config.json that differ from transformers'
+    defaults (Qwen3.5's temperature, top_k, top_p) become what a request that leaves them out samples with; a field
+    the request gives wins; a default out of a request's range is left out, said."""
+    from qcompile.frontend.config import generation_defaults, load_config
+    from qcompile.runtime.requests import request_defaults
+    from qcompile.runtime.sampling import Sampling
+
+    qwen = {"do_sample": True, "temperature": 0.6, "top_k": 20, "top_p": 0.95, "repetition_penalty": 1.0,
+            "eos_token_id": [248046, 248044], "max_new_tokens": 100}
+    assert generation_defaults(qwen) == (("temperature", 0.6), ("top_p", 0.95), ("top_k", 20))
+    assert generation_defaults({"top_k": 50, "temperature": True, "top_p": "0.9", "min_p": float("nan"),
+                                "repetition_penalty": 1.05}) == (("repetition_penalty", 1.05),)
+    assert request_defaults({"temperature": 3.0, "top_k": 20, "top_p": 0.0}) == ({"top_k": 20},
+                                                                                ["temperature 3.0", "top_p 0.0"])
+    info = ModelInfo("m", 100, 64, (2,), defaults={"temperature": 0.6, "top_k": 20, "top_p": 0.95, "min_p": 0.05})
+    assert parse_completion({"prompt": [5], "seed": 1}, info).sampling(0) == Sampling(0.6, 20, 0.95, 1, min_p=0.05)
+    explicit = parse_completion({"prompt": [5], "temperature": 0, "top_k": -1, "min_p": 0}, info)
+    assert explicit.sampling(0).argmax and explicit.top_k == 0
+    from conftest import write_small
+
+    path = write_small(tmp_path / "m")
+    (path / "generation_config.json").write_text(json.dumps({**qwen, "eos_token_id": 2}))
+    assert dict(load_config(path / "config.json").generation_defaults) == {"temperature": 0.6, "top_p": 0.95,
+                                                                           "top_k": 20}
 
 
 def test_bench_url_measures_the_server_with_the_in_process_metrics(server):

@@ -61,6 +61,8 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()  # generation stops after one of these (config, else generation_config.json)
     quantization: Quantization | None = None  # FP8 checkpoints (frontend/quantization.py)
     max_position_embeddings: int | None = None  # the context the model was trained for (None: not stated)
+    # generation_config.json's sampling fields that differ from transformers' defaults (`generation_defaults`)
+    generation_defaults: tuple[tuple[str, float], ...] = ()
 
     @property
     def rotary_dim(self) -> int:
@@ -293,6 +295,23 @@ def eos_ids(value, where) -> tuple[int, ...] | None:
     return tuple(values)
 
 
+#: generation_config.json's sampling fields a server takes as its requests' defaults, as vLLM's `--generation-config
+#: auto` does, with transformers' GenerationConfig defaults: a field at that value is not taken (vLLM reads the file's
+#: difference from them), nor one that is not a finite number (top_k: an integer).
+SAMPLING_FIELDS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "min_p": None, "repetition_penalty": 1.0}
+
+
+def generation_defaults(generation: dict) -> tuple[tuple[str, float], ...]:
+    """The sampling defaults a generation_config.json sets (SAMPLING_FIELDS), in that order."""
+    taken = []
+    for field, transformers_default in SAMPLING_FIELDS.items():
+        value = generation.get(field)
+        number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        if number and (field != "top_k" or float(value).is_integer()) and value != transformers_default:
+            taken.append((field, int(value) if field == "top_k" else float(value)))
+    return tuple(taken)
+
+
 MAX_CONFIG_BYTES = 16 << 20  # a Hugging Face config.json is a few KB
 
 
@@ -322,11 +341,13 @@ def load_config(path: str | Path) -> ModelConfig:
         raise CheckpointError(f"{path}: expected a JSON object")
     cfg = parse_config(raw, where=str(path))
     generation = path.with_name("generation_config.json")
-    if not cfg.eos_token_ids and generation.is_file():
+    if generation.is_file():
         try:
             gen = json.loads(generation.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
+        except (OSError, ValueError, RecursionError):
             gen = None
         if isinstance(gen, dict):
-            cfg = attrs.evolve(cfg, eos_token_ids=eos_ids(gen.get("eos_token_id"), str(generation)) or ())
+            if not cfg.eos_token_ids:
+                cfg = attrs.evolve(cfg, eos_token_ids=eos_ids(gen.get("eos_token_id"), str(generation)) or ())
+            cfg = attrs.evolve(cfg, generation_defaults=generation_defaults(gen))
     return cfg

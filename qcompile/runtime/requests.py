@@ -19,7 +19,7 @@ from qcompile.frontend.replies import THINK_OPEN
 from qcompile.kernels.logprobs import TOP_LOGPROBS
 from qcompile.runtime.sampling import Sampling
 
-__all__ = ["BadRequest", "Completion", "ModelInfo", "parse_chat", "parse_completion"]
+__all__ = ["BadRequest", "Completion", "ModelInfo", "parse_chat", "parse_completion", "request_defaults"]
 
 #: OpenAI completion fields this server reads, and the ones it accepts only at their no-op values (null too).
 FIELDS = {"model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "n", "stop", "stop_token_ids",
@@ -59,6 +59,9 @@ class ModelInfo:
     max_context: int
     eos_ids: tuple[int, ...]
     created: int = attrs.Factory(lambda: int(time.time()))
+    # what a request that leaves out temperature, top_p, top_k, min_p or repetition_penalty gets instead of OpenAI's
+    # defaults (serve --generation-config auto: the model's generation_config.json)
+    defaults: dict = attrs.Factory(dict)
 
 
 class BadRequest(Exception):
@@ -129,13 +132,32 @@ def _integer(body: dict, field: str, default, low: int, high: int | None = None)
     return value
 
 
+def request_defaults(defaults: dict) -> tuple[dict, list[str]]:
+    """The sampling defaults (e.g. a generation_config.json's) a request can take — each in the range a request's own
+    field must be in — and a note for each one that is not (left out)."""
+    ranges = {"temperature": (0, 2), "top_p": (0, 1), "top_k": (-1, None), "min_p": (0, 1),
+              "repetition_penalty": (0, 100)}
+    kept, notes = {}, []
+    for field, value in defaults.items():
+        low, high = ranges.get(field, (None, None))
+        open_low = field in ("top_p", "repetition_penalty")
+        fits = field in ranges and (value > low if open_low else value >= low) and (high is None or value <= high)
+        if fits:
+            kept[field] = value
+        else:
+            notes.append(f"{field} {value!r}")
+    return kept, notes
+
+
 def _adjustments(body: dict, info: ModelInfo) -> dict:
     """The request's penalties, min-p and logit bias, in OpenAI's (and vLLM's) ranges, as Sampling's fields (those
     at their no-op values left out)."""
-    adjust = {"min_p": _number(body, "min_p", 0.0, 0, 1),
+    defaults = info.defaults
+    adjust = {"min_p": _number(body, "min_p", defaults.get("min_p", 0.0), 0, 1),
               "presence_penalty": _number(body, "presence_penalty", 0.0, -2, 2),
               "frequency_penalty": _number(body, "frequency_penalty", 0.0, -2, 2),
-              "repetition_penalty": _number(body, "repetition_penalty", 1.0, 0, 100, low_open=True)}
+              "repetition_penalty": _number(body, "repetition_penalty", defaults.get("repetition_penalty", 1.0), 0,
+                                            100, low_open=True)}
     adjust = {field: value for field, value in adjust.items() if value != (1.0 if field == "repetition_penalty" else 0)}
     bias = body.get("logit_bias")
     if bias is None or bias == {}:
@@ -251,14 +273,15 @@ def parse_completion(body, info: ModelInfo, tokenizer=None) -> Completion:
     if options and not flags["stream"]:
         raise BadRequest("stream_options", "'stream_options' needs stream: true")
     eos = () if flags["ignore_eos"] else info.eos_ids
-    temperature = _number(body, "temperature", 1.0, 0, 2)
+    temperature = _number(body, "temperature", info.defaults.get("temperature", 1.0), 0, 2)
     seed = body.get("seed")
     if seed is not None and not _is_int(seed):
         raise BadRequest("seed", f"'seed' must be an integer, got {json.dumps(seed)}")
     return Completion(
         prompts=tuple(tuple(p) for p in prompts), max_tokens=max_tokens, n=n,
-        temperature=temperature, top_p=_number(body, "top_p", 1.0, 0, 1, low_open=True),
-        top_k=min(max(0, _integer(body, "top_k", 0, -1)), info.vocab_size),  # -1 and 0: off; past V: all
+        temperature=temperature, top_p=_number(body, "top_p", info.defaults.get("top_p", 1.0), 0, 1, low_open=True),
+        top_k=min(max(0, _integer(body, "top_k", info.defaults.get("top_k", 0), -1)), info.vocab_size),  # -1 and 0:
+        # off; past V: all
         seed=None if seed is None else seed % 2**32, stop=tuple(stop or ()),
         stop_ids=tuple(dict.fromkeys([*eos, *stop_ids])), stream=flags["stream"],
         include_usage=bool(options.get("include_usage")), logprobs=logprobs, echo=echo,
