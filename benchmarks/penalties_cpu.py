@@ -1,8 +1,9 @@
 """What penalties cost a served decode on CPU: the same requests through the scheduler with and without Qwen3.5's
 card's presence penalty (1.5), greedy and with the card's sampling (temperature 0.7, top-k 20, top-p 0.8), in one
-process on one build. A penalised step reads the token of the step before on the host (its penalties count it), so
-it is not launched ahead of that step's read (runtime/scheduler.py); the sampler adds its (request, token) pairs
-(benchmarks/sampler_cpu.py times those alone).
+process on one build. A penalised step's sampler adds its (request, token) pairs (benchmarks/sampler_cpu.py times
+those alone) and counts the token of the step before, still on the device, by a lookup among them; a penalised
+greedy request takes the logits path, which a plain greedy step skips. Run it from an older checkout to compare (at
+6b38fa2 a penalised step was not launched ahead of the step before it).
 
 Run: python benchmarks/penalties_cpu.py CHECKPOINT [--input-len 128] [--output-len 64] [--concurrency 1,8,32]
 [--dtype bf16] [--repeats 2]

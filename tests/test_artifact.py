@@ -335,3 +335,20 @@ def test_an_artifact_samples_at_every_step_shape(built):
         sampling = [Sampling(0.9, 0, 1.0, 5), Sampling(0.7, 4, 0.9, 6)]
         draws.append(engine.step_tokens(work, sampling, [0, 0]))
     assert draws[0] == draws[1] and all(0 <= t < model.checkpoint.config.vocab_size for t in draws[0])
+
+
+def test_an_artifacts_penalised_requests_make_the_in_process_tokens(built):
+    """Penalised requests through the scheduler (pipelined: each step counts the token still on the device) make the
+    same tokens from the artifact as from the in-process model; the presence penalty leaves no token made twice."""
+    from qcompile.runtime.sampling import Sampling
+    from qcompile.runtime.scheduler import Request, Scheduler
+
+    model, out, _ = built
+    made = []
+    for engine in (load_artifact(out).engine(), model.engine(CACHE)):
+        requests = [Request([3, 17, 42, 9, 5], 10, sampling=Sampling(presence_penalty=2.0)),
+                    Request([7, 8], 10, sampling=Sampling(0.8, 5, 0.9, 3, frequency_penalty=1.0,
+                                                          repetition_penalty=1.2))]
+        Scheduler(engine).run(requests)
+        made.append([r.tokens for r in requests])
+    assert made[0] == made[1] and len(set(made[0][0])) == len(made[0][0]) == 10

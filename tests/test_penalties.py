@@ -22,9 +22,20 @@ from qcompile.runtime.scheduler import Request, Scheduler
 VOCAB = 64
 
 
-def _adjusted(logits: np.ndarray, params: list[Sampling], histories: list) -> np.ndarray:
-    pairs = sampling._pairs(params, histories, len(params), logits.shape[-1])
-    return np.asarray(sampling._adjusted(jnp.asarray(logits), tuple(jnp.asarray(a) for a in pairs)))
+def _penalties(params: list[Sampling]):
+    return tuple(jnp.asarray([getattr(p, name) for p in params], jnp.float32)
+                 for name in ("repetition_penalty", "frequency_penalty", "presence_penalty"))
+
+
+def _adjusted(logits: np.ndarray, params: list[Sampling], histories: list, pending=None) -> np.ndarray:
+    """The sampler's adjusted logits of items 0..len(params)-1 (pending: each item's token still on the device)."""
+    pairs, spans = sampling._pairs(params, histories, len(params), logits.shape[-1])
+    pairs, spans = tuple(jnp.asarray(a) for a in pairs), tuple(jnp.asarray(a) for a in spans)
+    raw = jnp.asarray(logits[:len(params)])
+    x = sampling._adjusted(raw, pairs, _penalties(params))
+    if pending is not None:
+        x = sampling._with_pending(x, raw, pairs, spans, jnp.asarray(pending, jnp.int32), _penalties(params))
+    return np.asarray(x)
 
 
 def _by_formula(row: np.ndarray, param: Sampling, prompt: list[int], made: list[int], *, presence_on_prompt=False,
@@ -82,6 +93,30 @@ def test_adjusted_logits_follow_the_formulas_and_transformers_repetition_penalty
     ids = torch.tensor([prompt + made])
     reference = RepetitionPenaltyLogitsProcessor(1.7)(ids, torch.tensor(logits[1:2])).numpy()[0]
     np.testing.assert_allclose(got[1], reference, rtol=1e-6, atol=1e-6)
+
+
+def test_a_token_still_on_the_device_counts_as_if_its_history_held_it():
+    """A pipelined step's sampler counts each penalised item's pending token (made by the step before, not read yet)
+    on the device: the logits equal those of a History that holds it — a token made before (count + 1), a new one
+    (presence, repetition, frequency 1), one with a bias, one in the prompt only — and an unpenalised item's or a
+    -1's logits are untouched."""
+    rng = np.random.default_rng(11)
+    logits = (rng.standard_normal((5, VOCAB)) * 3).astype(np.float32)
+    prompt, made = [3, 5, 9, 40], [5, 12, 12, 41]
+    param = Sampling(presence_penalty=0.7, frequency_penalty=0.4, repetition_penalty=1.4, logit_bias=((50, 1.5),))
+    params = [param, param, param, param, Sampling(logit_bias=((2, 1.0),))]
+    pending = [12, 33, 50, 9, 7]  # made twice before; new; biased; in the prompt only; unpenalised item
+    with_pending = _adjusted(logits, params, [History.of(prompt, list(made), p) for p in params[:4]] + [None],
+                             pending)
+    for item in range(4):
+        held = _adjusted(logits[item:item + 1], params[:1], [History.of(prompt, made + [pending[item]], param)])
+        np.testing.assert_allclose(with_pending[item], held[0], rtol=1e-6, atol=1e-6, err_msg=str(item))
+        without = _adjusted(logits[item:item + 1], params[:1], [History.of(prompt, list(made), param)])
+        assert not np.allclose(with_pending[item], without[0])  # the pending token moved something
+    assert np.array_equal(with_pending[4], _adjusted(logits[4:], params[4:], [None])[0])
+    before = _adjusted(logits[:1], params[:1], [History.of(prompt, list(made), param)])
+    np.testing.assert_array_equal(_adjusted(logits[:1], params[:1], [History.of(prompt, list(made), param)], [-1]),
+                                  before)
 
 
 def test_min_p_keeps_what_transformers_keeps_and_draws_renormalise():
@@ -216,3 +251,15 @@ def test_run_applies_the_penalties_and_refuses_bad_ones_before_loading(checkpoin
         main(["run", str(checkpoint), "--prompt-ids", "1,2", "--presence-penalty", "3"])
     err = capsys.readouterr().err
     assert done.value.code == 2 and "presence_penalty" in err and len(err.strip().splitlines()) == 1
+
+
+def test_pending_tokens_come_from_the_device_or_from_the_host_once_read():
+    """A work item's PendingToken is taken from its launched step's device array while that step is unread, and
+    from the host once read (a mesh engine reads it to feed it); -1 where an item feeds known tokens."""
+    from qcompile.runtime.engine import LaunchedStep, PendingToken, _pending_tokens
+
+    step = LaunchedStep(jnp.asarray([40, 41, 42, 43], jnp.int32), [2, 0])
+    work = [(None, [PendingToken(step, 0)]), (None, [5, 6]), (None, [PendingToken(step, 1)])]
+    assert np.asarray(_pending_tokens(work)).tolist() == [42, -1, 40]
+    assert step.tokens() == [42, 40]  # read now
+    assert np.asarray(_pending_tokens(work)).tolist() == [42, -1, 40]

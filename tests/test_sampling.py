@@ -135,7 +135,10 @@ def test_the_compiled_sampler_never_sorts_the_vocabulary():
                   ((n,), jnp.float32), ((n,), jnp.uint32), ((n,), jnp.int32), ((n,), jnp.float32))]
         adjust = tuple(jax.ShapeDtypeStruct((pairs,), dtype)
                        for dtype in (jnp.int32, jnp.int32, jnp.float32, jnp.float32, jnp.float32))
-        text = sampling._sample.lower(*specs, adjust).compile().as_text()
+        spans = (jax.ShapeDtypeStruct((n,), jnp.int32),) * 2
+        penalties = (jax.ShapeDtypeStruct((n,), jnp.float32),) * 3
+        text = sampling._sample.lower(*specs, adjust, spans, jax.ShapeDtypeStruct((n,), jnp.int32),
+                                      penalties).compile().as_text()
         assert "TopK" in text and " sort(" not in text
 
 

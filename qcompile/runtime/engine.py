@@ -130,6 +130,25 @@ class PendingToken:
     index: int
 
 
+def _pending_tokens(work: list[tuple[Sequence, list]]):
+    """Per work item, the token it feeds when that is a PendingToken (a device int32 array; -1 for an item that
+    feeds known tokens): what a penalised item's sampler counts besides its History (runtime/sampling.py). One
+    launched step's tokens are taken on the device; any other's (and read ones) from the host."""
+    refs = [tokens[-1] if tokens and isinstance(tokens[-1], PendingToken) else None for _, tokens in work]
+    unread = [ref.step for ref in refs if ref is not None and not ref.step.read]
+    source = unread[0] if unread else None
+    at = [ref.step.rows[ref.index] if ref is not None and ref.step is source else -1 for ref in refs]
+    known = [ref.step.tokens()[ref.index] if ref is not None and ref.step is not source else -1 for ref in refs]
+    if source is None:
+        return jnp.asarray(known, jnp.int32)
+    return _take_pending(source.produced, jnp.asarray(at, jnp.int32), jnp.asarray(known, jnp.int32))
+
+
+@jax.jit
+def _take_pending(produced, at, known):
+    return jnp.where(at >= 0, produced[jnp.maximum(at, 0)].astype(jnp.int32), known)
+
+
 @jax.jit
 def _scored_tokens(drawn, source, fixed):
     """The token each scored row is scored against: drawn[source] where source >= 0 (a made token), else fixed."""
@@ -585,7 +604,8 @@ class Engine:
         outputs = self._run(work, all_rows, True)
         item_rows = outputs["item_rows"]
         drawn = sample(outputs[LOGITS], [rows[-1] for rows in item_rows], sampling or [GREEDY] * len(work),
-                       counters if counters is not None else [0] * len(work), histories)
+                       counters if counters is not None else [0] * len(work), histories,
+                       _pending_tokens(work) if histories is not None and any(histories) else None)
         scored = self._score(outputs[LOGITS], drawn, item_rows, wants_next, targets) if scoring else None
         return LaunchedStep(drawn, list(range(len(work))), scored)
 

@@ -243,13 +243,45 @@ def _last_positive(weight):
     return weight.shape[-1] - 1 - jnp.argmax(weight[:, ::-1] > 0, axis=-1)
 
 
-def _adjusted(raw, pairs):
-    """raw [n, V] with each (item, token) pair's adjustment applied (the module docstring's order): pairs = (items,
-    tokens, bias, factor, minus), one entry per distinct pair; an entry whose item is n (padding) changes nothing."""
-    items, tokens, bias, factor, minus = pairs
+def _adjusted(raw, pairs, penalties):
+    """raw [n, V] with each (item, token) pair's adjustment applied (the module docstring's order). pairs = (items,
+    tokens, bias, times made, in the prompt), one entry per distinct pair, each item's entries together in token
+    order; an entry whose item is n (padding) changes nothing. penalties = per item (repetition, frequency,
+    presence)."""
+    items, tokens, bias, times, in_prompt = pairs
+    repetition, frequency, presence = (a[jnp.minimum(items, raw.shape[0] - 1)] for a in penalties)
     value = raw.at[items, tokens].get(mode="fill", fill_value=0.0) + bias
-    value = jnp.where(value > 0, value / factor, value * factor) - minus
+    made = times > 0
+    factor = jnp.where(made | (in_prompt > 0), repetition, 1.0)
+    value = jnp.where(value > 0, value / factor, value * factor) - frequency * times - jnp.where(made, presence, 0.0)
     return raw.at[items, tokens].set(value, mode="drop")
+
+
+def _with_pending(x, raw, pairs, spans, pending, penalties):
+    """x (raw adjusted by `_adjusted`) with each item's pending token — made by the step before, still on the device,
+    so not in the pairs' counts — counted once more: its logit adjusted from raw as a token made times + 1 times
+    (its bias and count found by bisection in the item's span of the pairs). pending [n]: the token, -1 for none."""
+    items, tokens, bias, times, _ = pairs
+    if tokens.shape[0] == 0:  # no item is penalised (none has a pending token to count)
+        return x
+    start, end = spans
+    rows = jnp.arange(x.shape[0])
+
+    def halve(_, bounds):  # the first entry of the span whose token is >= pending
+        lo, hi = bounds
+        mid = (lo + hi) // 2
+        below = tokens[jnp.minimum(mid, tokens.shape[0] - 1)] < pending
+        return jnp.where((lo < hi) & below, mid + 1, lo), jnp.where((lo < hi) & ~below, mid, hi)
+
+    steps = max(1, int(tokens.shape[0]).bit_length())
+    at, _ = lax.fori_loop(0, steps, halve, (start, end))
+    safe = jnp.minimum(at, tokens.shape[0] - 1)
+    found = (at < end) & (tokens[safe] == pending) & (items[safe] == rows)
+    repetition, frequency, presence = penalties
+    count = jnp.where(found, times[safe], 0.0) + 1
+    value = raw.at[rows, pending].get(mode="fill", fill_value=0.0) + jnp.where(found, bias[safe], 0.0)
+    value = jnp.where(value > 0, value / repetition, value * repetition) - frequency * count - presence
+    return x.at[jnp.where(pending >= 0, rows, x.shape[0]), jnp.maximum(pending, 0)].set(value, mode="drop")
 
 
 def _min_p(x, min_p):
@@ -259,8 +291,11 @@ def _min_p(x, min_p):
 
 
 @functools.partial(jax.jit, static_argnames=())
-def _sample(logits, rows, temperature, top_k, top_p, seeds, counters, min_p, pairs):
-    raw = _adjusted(logits[rows].astype(jnp.float32), pairs)
+def _sample(logits, rows, temperature, top_k, top_p, seeds, counters, min_p, pairs, spans, pending, penalties):
+    unadjusted = logits[rows].astype(jnp.float32)
+    raw = _adjusted(unadjusted, pairs, penalties)
+    raw = lax.cond(jnp.any(pending >= 0), lambda: _with_pending(raw, unadjusted, pairs, spans, pending, penalties),
+                   lambda: raw)
     greedy = greedy_cpu(raw)  # argmax as two vector reductions: XLA CPU's argmax took 13 ms at [32, 248320], this 2
     sampled = temperature > 0
     x = raw / jnp.where(sampled, temperature, 1.0)[:, None]
@@ -291,11 +326,12 @@ def _sample(logits, rows, temperature, top_k, top_p, seeds, counters, min_p, pai
 
 
 def _pairs(params: list[Sampling], histories: list, items: int, vocab: int):
-    """The (item, token) adjustments of `_adjusted` as numpy arrays, one entry per distinct pair, padded to a power
-    of 4 from 1024 with entries of item `items` (dropped): one sampler program per size, each ~1.5 s to compile on
-    2 cores the first time a step needs it (five sizes cover 32 requests of 8000 distinct tokens each; the scatter
-    of a padded entry costs next to nothing). histories[i] is params[i]'s History (None when it uses none)."""
-    parts = []
+    """The (item, token) pairs of `_adjusted` as numpy arrays — (items, tokens, bias, times made, in the prompt), one
+    entry per distinct pair, each item's together in token order — padded to a power of 4 from 1024 with entries of
+    item `items` (dropped): one sampler program per size, each ~1.5 s to compile on 2 cores the first time a step
+    needs it (five sizes cover 32 requests of 8000 distinct tokens each; a padded entry costs next to nothing); and
+    each item's span of them (start, end). histories[i] is params[i]'s History (None when it uses none)."""
+    parts, spans, at = [], ([0] * items, [0] * items), 0
     for index, (param, history) in enumerate(zip(params, histories)):
         if not param.uses_history and not param.logit_bias:
             continue
@@ -314,23 +350,24 @@ def _pairs(params: list[Sampling], histories: list, items: int, vocab: int):
             wide_times[spread], wide_prompt[spread] = times, in_prompt
             tokens, times, in_prompt, bias = merged, wide_times, wide_prompt, np.zeros(len(merged))
             bias[np.searchsorted(merged, ids)] = [biased[int(t)] for t in ids]
-        made = times > 0
-        factor = np.where(made | in_prompt, param.repetition_penalty, 1.0)
-        minus = param.frequency_penalty * times + param.presence_penalty * made
-        parts.append((np.full(len(tokens), index), tokens, bias, factor, minus))
-    count = sum(len(part[1]) for part in parts)
-    size = 0 if count == 0 else 1 << max(10, 2 * -(-(count - 1).bit_length() // 2))  # a power of 4 from 1024
+        parts.append((np.full(len(tokens), index), tokens, bias, times, in_prompt))
+        spans[0][index], spans[1][index] = at, at + len(tokens)
+        at += len(tokens)
+    size = 0 if not parts else 1 << max(10, 2 * -(-(at - 1).bit_length() // 2))  # a power of 4 from 1024
     arrays = [np.concatenate([part[k] for part in parts]) if parts else np.zeros(0) for k in range(5)]
-    pad = size - count
-    fills = (items, 0, 0.0, 1.0, 0.0)
+    fills = (items, 0, 0.0, 0.0, 0.0)
     dtypes = (np.int32, np.int32, np.float32, np.float32, np.float32)
-    return tuple(np.concatenate([a.astype(dt), np.full(pad, fill, dt)]) for a, fill, dt in zip(arrays, fills, dtypes))
+    pairs = tuple(np.concatenate([a.astype(dt), np.full(size - at, fill, dt)])
+                  for a, fill, dt in zip(arrays, fills, dtypes))
+    return pairs, tuple(np.asarray(span, np.int32) for span in spans)
 
 
-def sample(logits, rows: list[int], params: list[Sampling], counters: list[int], histories: list | None = None):
+def sample(logits, rows: list[int], params: list[Sampling], counters: list[int], histories: list | None = None,
+           pending=None):
     """The next token of each item (on the device): row rows[i] of logits [R, V], drawn with params[i] as the
     counters[i]-th token of its request, its logits adjusted by its penalties over histories[i] (a `History`; None
-    for an item whose sampling uses none). The result has R entries (or the power of two ≥ len(rows) if more; its
+    for an item whose sampling uses none) and pending[i] (a device int32 array of len(rows), -1 for none): the
+    token the step before made for it, which its History does not hold yet (a pipelined step). The result has R entries (or the power of two ≥ len(rows) if more; its
     first len(rows) are the tokens): items are padded to R with greedy copies of the first, so one program per
     logits shape (and number of adjusted (item, token) pairs, in powers of 4 from 1024) is ever compiled (a decode
     step's R is already the power of two its items were bucketed to; a padding row costs about what a sampled one
@@ -342,14 +379,22 @@ def sample(logits, rows: list[int], params: list[Sampling], counters: list[int],
     missing = [i for i, (p, h) in enumerate(zip(params, histories)) if p.uses_history and h is None]
     if missing:
         raise UsageError(f"item {missing[0]} samples with penalties but was given no History of its tokens")
-    pairs = _pairs(params, histories, len(params), logits.shape[-1])
+    pairs, spans = _pairs(params, histories, len(params), logits.shape[-1])
+    penalised = np.array([p.uses_history for p in params])
+    if pending is None or not penalised.any():
+        pending = jnp.full(len(params), -1, jnp.int32)
+    else:  # only a penalised item counts its pending token
+        pending = jnp.where(jnp.asarray(penalised), jnp.pad(pending, (0, fill), constant_values=-1), -1)
+    penalties = tuple(jnp.asarray([getattr(p, name) for p in params], jnp.float32)
+                      for name in ("repetition_penalty", "frequency_penalty", "presence_penalty"))
     return _sample(logits, jnp.asarray(list(rows) + [rows[0]] * fill, jnp.int32),
                    jnp.asarray([p.temperature for p in params], jnp.float32),
                    jnp.asarray([p.top_k for p in params], jnp.int32),
                    jnp.asarray([p.top_p for p in params], jnp.float32),
                    jnp.asarray(np.array([p.seed for p in params], np.uint32)),
                    jnp.asarray(list(counters) + [0] * fill, jnp.int32),
-                   jnp.asarray([p.min_p for p in params], jnp.float32), tuple(jnp.asarray(a) for a in pairs))
+                   jnp.asarray([p.min_p for p in params], jnp.float32), tuple(jnp.asarray(a) for a in pairs),
+                   tuple(jnp.asarray(a) for a in spans), pending, penalties)
 
 
 def warm_sampler(logits_shape: tuple[int, int], dtype) -> None:

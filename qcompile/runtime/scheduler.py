@@ -19,8 +19,8 @@ its decode tokens taken on the device, requests that reach their max new tokens 
 and only then reads the step in flight and returns its tokens. So the host's planning, packing and dispatch overlap
 the device's step. A request whose token turns out to be a stop id has had one more token made for it, which is
 dropped; a plan that would need a preemption is not launched ahead: the step in flight is read first and the next
-call plans on what it made, as without pipelining. So is a step after one where a request samples with a penalty
-(runtime/sampling.py: its logits read every token it made, the one in flight too, on the host).
+call plans on what it made, as without pipelining. A penalised request's sampler counts the token in flight on the
+device too (runtime/sampling.py: its History holds the tokens read so far, the pending one is looked up there).
 
 Choices of one prompt (a request's `n`) share its prefill: a request whose `parent` is an earlier one with the same
 prompt waits while the parent feeds all of the prompt but its last token, then gets a copy of the parent's cache
@@ -545,8 +545,6 @@ class Scheduler:
         step, plan, _ = self._in_flight
         pending = {request: step.token(index) for index, (request, _, emits) in enumerate(plan)
                    if emits and request.finish_reason is None}
-        if any(request.sampling.uses_history for request in pending):
-            return None  # its penalties need the token in flight on the host: read it first (no step ahead)
         self._admit()
         ahead = self._plan(pending)
         if self._short_rank(ahead) is not None:
