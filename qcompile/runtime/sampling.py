@@ -362,16 +362,23 @@ def _pairs(params: list[Sampling], histories: list, items: int, vocab: int):
     return pairs, tuple(np.asarray(span, np.int32) for span in spans)
 
 
+@functools.partial(jax.jit, static_argnames=("fill",))
+def _penalised_pending(pending, penalised, fill: int):
+    """pending padded with `fill` -1s, -1 where the item is not penalised."""
+    return jnp.where(penalised, jnp.pad(pending, (0, fill), constant_values=-1), -1)
+
+
 def sample(logits, rows: list[int], params: list[Sampling], counters: list[int], histories: list | None = None,
            pending=None):
     """The next token of each item (on the device): row rows[i] of logits [R, V], drawn with params[i] as the
     counters[i]-th token of its request, its logits adjusted by its penalties over histories[i] (a `History`; None
     for an item whose sampling uses none) and pending[i] (a device int32 array of len(rows), -1 for none): the
-    token the step before made for it, which its History does not hold yet (a pipelined step). The result has R entries (or the power of two ≥ len(rows) if more; its
-    first len(rows) are the tokens): items are padded to R with greedy copies of the first, so one program per
-    logits shape (and number of adjusted (item, token) pairs, in powers of 4 from 1024) is ever compiled (a decode
-    step's R is already the power of two its items were bucketed to; a padding row costs about what a sampled one
-    does: 8 rows of 32000 took 2.4 ms, 1 row 0.6 ms, on 2 cores)."""
+    token the step before made for it, which its History does not hold yet (a pipelined step). The result has R
+    entries (or the power of two ≥ len(rows) if more; its first len(rows) are the tokens): items are padded to R
+    with greedy copies of the first, so one program per logits shape (and number of adjusted (item, token) pairs,
+    in powers of 4 from 1024) is ever compiled (a decode step's R is already the power of two its items were
+    bucketed to; a padding row costs about what a sampled one does: 8 rows of 32000 took 2.4 ms, 1 row 0.6 ms, on
+    2 cores)."""
     fill = max(logits.shape[0], 1 << max(0, (len(rows) - 1).bit_length())) - len(rows)  # more items than rows:
     # a power of two
     params = list(params) + [GREEDY] * fill
@@ -384,7 +391,7 @@ def sample(logits, rows: list[int], params: list[Sampling], counters: list[int],
     if pending is None or not penalised.any():
         pending = jnp.full(len(params), -1, jnp.int32)
     else:  # only a penalised item counts its pending token
-        pending = jnp.where(jnp.asarray(penalised), jnp.pad(pending, (0, fill), constant_values=-1), -1)
+        pending = _penalised_pending(pending, jnp.asarray(penalised), fill)
     penalties = tuple(jnp.asarray([getattr(p, name) for p in params], jnp.float32)
                       for name in ("repetition_penalty", "frequency_penalty", "presence_penalty"))
     return _sample(logits, jnp.asarray(list(rows) + [rows[0]] * fill, jnp.int32),
