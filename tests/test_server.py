@@ -202,6 +202,12 @@ def test_n_choices_and_seeded_sampling_are_reproducible(server):
     alone = httpx.post(server.url + "/v1/completions", json={**body, "prompt": PROMPTS[0], "n": 1, "seed": 12},
                        timeout=60).json()
     assert alone["choices"][0]["token_ids"] == first["choices"][1]["token_ids"]
+    # so with penalties (each choice counts its own tokens, the forked one too)
+    penalised = {**body, "prompt": PROMPTS[0], "presence_penalty": 1.5, "repetition_penalty": 1.3, "max_tokens": 8}
+    choices = httpx.post(server.url + "/v1/completions", json=penalised, timeout=60).json()["choices"]
+    second = httpx.post(server.url + "/v1/completions", json={**penalised, "n": 1, "seed": 12}, timeout=60).json()
+    assert second["choices"][0]["token_ids"] == choices[1]["token_ids"] != choices[0]["token_ids"]
+    assert _metric(server, "qcompile_prefill_forks") == forks + 5
 
 
 def test_a_prompt_continuing_a_finished_reply_feeds_only_its_new_tokens(server, model):
@@ -972,7 +978,8 @@ def test_bench_url_measures_the_server_with_the_in_process_metrics(server):
 @pytest.mark.slow
 def test_a_soak_of_many_short_requests_over_http_loses_and_leaks_nothing(server):
     """600 short sampled requests, every fifth with n = 3 (choices forking one prefill), every fourth starting with
-    one of two shared prefixes (snapshots), 24 in flight at a time, every third client hanging up after its first
+    one of two shared prefixes (snapshots), every sixth penalised, 24 in flight at a time, every third client hanging
+    up after its first
     token: every other request gets all its tokens, and the pool is
     full at the end (the in-process soak is tests/test_scheduler.py)."""
     async def one(client, gate, i):
@@ -981,6 +988,8 @@ def test_a_soak_of_many_short_requests_over_http_loses_and_leaks_nothing(server)
             prompt = [(11 * j + i % 8 // 4) % 450 + 5 for j in range(16)] + prompt
         body = {"prompt": prompt, "max_tokens": 2 + i % 4,
                 "temperature": 0.7, "seed": i, "n": 3 if i % 5 == 0 else 1, "stream": True}
+        if i % 6 == 1:  # penalised: pairs and pending tokens under the churn
+            body.update(presence_penalty=1.0, repetition_penalty=1.2, logit_bias={"7": -5})
         async with gate, client.stream("POST", "/v1/completions", json=body) as response:
             assert response.status_code == 200
             tokens = 0
