@@ -651,6 +651,14 @@ def init_tiny_cmd(directory, family, preset, seed, dtype, sparse, force):
 @click.option("--top-k", default=0, show_default=True, type=int, help="With --temperature: keep the K most likely (0: off).")
 @click.option("--top-p", default=1.0, show_default=True, type=float,
               help="With --temperature: keep the most likely tokens up to probability P (1: off).")
+@click.option("--min-p", default=0.0, show_default=True, type=float,
+              help="With --temperature: keep the tokens at least P times as likely as the most likely (0: off).")
+@click.option("--presence-penalty", default=0.0, show_default=True, type=float,
+              help="OpenAI's presence penalty (-2..2) on every request, on both engines (greedy too).")
+@click.option("--frequency-penalty", default=0.0, show_default=True, type=float,
+              help="OpenAI's frequency penalty (-2..2) on every request, on both engines (greedy too).")
+@click.option("--repetition-penalty", default=1.0, show_default=True, type=float,
+              help="Hugging Face's repetition penalty (> 0; 1: off) on every request, on both engines (greedy too).")
 @click.option("--memory-budget", metavar="SIZE", callback=_size_option,
               help="Refuse (exit 2) a concurrency whose weights + caches + temporaries + runtime exceed SIZE.")
 @click.option("--json", "json_path", type=click.Path(path_type=Path), help="Write the results (docs/benchmarks.md schema).")
@@ -661,7 +669,7 @@ def init_tiny_cmd(directory, family, preset, seed, dtype, sparse, force):
 @_cluster_options
 def bench_cmd(source, url, workload, scale, input_len, output_len, concurrency, num_prompts, request_rate, choices, turns,
               shared_prefix, reasoning, prefix_slots, passes_spec, compare, ablate, dtype, max_step_tokens, verify,
-              seed, temperature, top_k, top_p,
+              seed, temperature, top_k, top_p, min_p, presence_penalty, frequency_penalty, repetition_penalty,
               memory_budget, json_path, plot_path, mesh_spec, coordinator, num_processes, process_id, join_timeout):
     """Measure prefill/decode throughput, latency and % of roofline of CHECKPOINT (or an artifact), or of a running
     server with --url."""
@@ -673,7 +681,9 @@ def bench_cmd(source, url, workload, scale, input_len, output_len, concurrency, 
     for flag, path in (("--json", json_path), ("--plot", plot_path)):
         if path is not None:
             _check_output_file(path, flag, (source,))
-    sampling = Sampling(temperature, top_k, top_p, seed % 2**32)  # refused (exit 2) before anything loads
+    sampling = Sampling(temperature, top_k, top_p, seed % 2**32, min_p=min_p, presence_penalty=presence_penalty,
+                        frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty)  # refused (exit
+    # 2) before anything loads
 
     try:
         levels = tuple(int(part) for part in concurrency.split(","))

@@ -45,9 +45,9 @@ def _recording_steps(patch, seen: list) -> None:
     """Record (seeds, counters) of every engine step launched (seeds None when greedy; `step_tokens` launches too)."""
     real = Engine.launch_tokens
 
-    def recording(self, work, sampling=None, counters=None, *rest):
+    def recording(self, work, sampling=None, counters=None, *rest, **named):
         seen.append((tuple(p.seed for p in sampling) if sampling else None, tuple(counters or ())))
-        return real(self, work, sampling, counters, *rest)
+        return real(self, work, sampling, counters, *rest, **named)
 
     patch.setattr(Engine, "launch_tokens", recording)
 
@@ -347,6 +347,50 @@ def test_sampled_runs_draw_each_request_with_its_own_seed_on_both_engines(report
     assert set(drawn.tolist()) == {0, 1}
     for greedy in (Sampling(temperature=1.0, top_k=1), Sampling()):
         assert set(measure._transformers_chooser(greedy)(None, logits).tolist()) == {0}
+
+
+def test_penalties_apply_alike_on_both_engines_and_in_waves_as_through_the_scheduler(tiny, qc_model, monkeypatch):
+    """--presence-penalty / --frequency-penalty / --repetition-penalty / --min-p: transformers' chooser adjusts its
+    logits as qcompile's sampler does (the same argmax over random rows with made tokens); bench's waves (pipelined:
+    each step counts the token still on the device) make the scheduler's tokens; a run says and records them."""
+    import torch
+
+    from qcompile.compiler import measure
+    from qcompile.ir.abi import CacheConfig
+    from qcompile.runtime.sampling import History, sample
+    from qcompile.runtime.scheduler import Request, Scheduler
+
+    param = Sampling(presence_penalty=1.2, frequency_penalty=0.6, repetition_penalty=1.5)
+    rng = np.random.default_rng(5)
+    prompt, made = [3, 9, 27], [9, 14, 14, 30]
+    logits = (rng.standard_normal((64, 40)) * 2).astype(np.float32)
+    logits[:, [9, 14, 30]] += 3  # the made tokens are often the raw argmax
+    ours = np.asarray(sample(logits, list(range(64)), [param] * 64, [0] * 64,
+                             [History.of(prompt, list(made), param) for _ in range(64)]))[:64]
+    ids = torch.tensor([prompt + made] * 64)
+    theirs = measure._transformers_chooser(param)(ids, torch.tensor(logits), len(prompt)).numpy()
+    assert np.array_equal(ours, theirs) and not np.array_equal(ours, logits.argmax(-1))
+
+    engine = qc_model(tiny).engine(CacheConfig(max_seqs=2, max_context=32, max_step_tokens=16))
+    prompts = [[9, 10, 11], [300, 301, 302]]  # greedy repeats made tokens (not the first) after 6 to 14 steps
+    expected = [Request(p, 16, sampling=param) for p in prompts]
+    Scheduler(engine).run(expected)
+    launched = []
+    real = Engine.launch_tokens
+    monkeypatch.setattr(Engine, "launch_tokens", lambda *a, **k: launched.append(real(*a, **k)) or launched[-1])
+    measure._serve_wave(engine, prompts, 16, None, None, {"prefill": None, "decode": None}, None, "cpu",
+                        lambda: None, [param, param])
+    assert [[step.tokens()[i] for step in launched] for i in range(2)] == [r.tokens for r in expected]
+    monkeypatch.undo()
+
+    lines: list[str] = []
+    sampled = Sampling(0.9, 5, 0.8, 7, min_p=0.05, presence_penalty=1.0)
+    result = run_bench(BenchOptions(source=tiny, input_len=6, output_len=3, concurrency=(2,), num_prompts=2,
+                                    verify="none", compare=("transformers",), sampling=sampled), emit=lines.append)
+    assert result["sampling"] == {"temperature": 0.9, "top_k": 5, "top_p": 0.8, "seed": 7, "min_p": 0.05,
+                                  "presence_penalty": 1.0}
+    assert any("top-p 0.8, min p 0.05, presence penalty 1, request i seeded 7" in line for line in lines)
+    assert {run["engine"] for run in result["runs"]} >= {"qcompile", "transformers"}
 
 
 def test_bench_on_a_mesh_with_bf16_states(tiny, capsys, monkeypatch, tmp_path):

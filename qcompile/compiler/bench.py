@@ -65,15 +65,16 @@ class BenchOptions:
 
 
 def sampling_note(sampling: Sampling) -> str:
+    adjusted = "".join(f", {name.replace('_', ' ')} {value:g}" for name, value in sampling.adjustments().items())
     if sampling.greedy:
-        return "greedy"
+        return "greedy" + adjusted
     return (f"sampled: temperature {sampling.temperature:g}, top-k {sampling.top_k or 'off'}, top-p "
-            f"{sampling.top_p:g}, request i seeded {sampling.seed} + i")
+            f"{sampling.top_p:g}{adjusted}, request i seeded {sampling.seed} + i")
 
 
 def _sampling_json(sampling: Sampling) -> dict:
     return {"temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p,
-            "seed": sampling.seed}
+            "seed": sampling.seed, **sampling.adjustments()}
 
 
 def ablation_specs(names: list[str]) -> list[str]:

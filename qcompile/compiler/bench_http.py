@@ -78,7 +78,7 @@ async def _one(client, prompt: list[int], output_len: int, model: str, sampling:
     """Stream one request of `n` choices; for each choice, the arrival time of each token's event and the token ids."""
     body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": sampling.temperature,
             "top_k": sampling.top_k, "top_p": sampling.top_p, "seed": sampling.seed, "ignore_eos": True,
-            "stream": True, **({"n": n} if n > 1 else {})}
+            "stream": True, **({"n": n} if n > 1 else {}), **sampling.adjustments()}
     choices: list[tuple[list[float], list[int]]] = [([], []) for _ in range(n)]
     async with client.stream("POST", "/v1/completions", json=body) as response:
         if response.status_code != 200:

@@ -41,7 +41,7 @@ from qcompile.ir.lowering import is_sharded, lower
 from qcompile.ir.ops.expert_parallel import DISPATCH_OPS
 from qcompile.ir.ops.moe import RouterTopK
 from qcompile.runtime.memory import frozen_heap
-from qcompile.runtime.sampling import GREEDY, Sampling
+from qcompile.runtime.sampling import GREEDY, History, Sampling
 from qcompile.kernels import native
 from qcompile.kernels.linear import NATIVE_PANELS_AMX, NATIVE_PANELS_BF16_PAIRS, linear_panels_cpu, pack_panels
 
@@ -357,7 +357,7 @@ def bench_engine_rate(engine, label: str, passes: str, prompts: list[list[int]],
 
     m = Measurement(label, passes, concurrency, len(prompts[0]), output_len)
     warm_started = time.perf_counter()
-    engine.compile_all_buckets(sampling=not sampling.greedy)
+    engine.compile_all_buckets(sampling=not sampling.argmax)
     m.warmup_seconds = time.perf_counter() - warm_started
     arrivals = [at for at in arrival_times(len(prompts), rate, seed) for _ in range(n)]
     requests = [Request(list(p), output_len, id=(n * i + j) * turns, sampling=request_sampling(sampling, n * i + j))
@@ -426,13 +426,14 @@ def _record_step(engine, phase: str, seconds: float, new: list[int], contexts: l
 
 def _timed_step(engine, work, phase: str, m: Measurement | None, roofline: Roofline | None, probes: dict,
                 graph: Graph | None, target: str, sampling: list[Sampling] | None = None,
-                counters: list[int] | None = None) -> tuple[list[int], float]:
+                counters: list[int] | None = None, histories: list | None = None) -> tuple[list[int], float]:
     """One engine step of `phase`, run to its tokens and recorded (`_record_step`). Returns the next tokens (greedy,
-    or drawn with sampling[i] as the counters[i]-th token of its request) and the step's end time."""
+    or drawn with sampling[i] as the counters[i]-th token of its request, penalised over histories[i]) and the
+    step's end time."""
     new = [len(tokens) for _, tokens in work]
     contexts = [seq.length + n for (seq, _), n in zip(work, new)]
     started = time.perf_counter()
-    nexts = engine.step_tokens(work, sampling, counters)
+    nexts = engine.launch_tokens(work, sampling, counters, histories=histories).tokens()
     ended = time.perf_counter()
     _record_step(engine, phase, ended - started, new, contexts, m, roofline, probes, graph, target)
     return nexts, ended
@@ -441,7 +442,10 @@ def _timed_step(engine, work, phase: str, m: Measurement | None, roofline: Roofl
 def _serve_wave(engine, prompts, output_len, m: Measurement | None, roofline: Roofline | None, probes: dict,
                 graph: Graph | None, target: str, stop, sampling: list[Sampling]) -> None:
     seqs = [engine.add_sequence() for _ in prompts]
-    greedy = all(p.greedy for p in sampling)
+    greedy = all(p.argmax for p in sampling)
+    made: list[list[int]] = [[] for _ in prompts]  # what each request's penalties count
+    histories = [History.of(prompt, tokens, p) if p.uses_history else None
+                 for prompt, tokens, p in zip(prompts, made, sampling)]
     budget = engine.cache_cfg.max_step_tokens
     try:
         start = time.perf_counter()
@@ -459,10 +463,12 @@ def _serve_wave(engine, prompts, output_len, m: Measurement | None, roofline: Ro
                     owners.append(i)
                     left -= len(take)
             nexts, t1 = _timed_step(engine, work, "prefill", m, roofline, probes, graph, target,
-                                    None if greedy else [sampling[i] for i in owners], [0] * len(owners))
+                                    None if greedy else [sampling[i] for i in owners], [0] * len(owners),
+                                    [histories[i] for i in owners])
             for i, tok in zip(owners, nexts):
                 if not pending[i]:
                     last[i] = tok
+                    made[i].append(tok)
                     token_times[i].append(t1)
                     ttft[i] = t1 - start
             stop()
@@ -475,6 +481,8 @@ def _serve_wave(engine, prompts, output_len, m: Measurement | None, roofline: Ro
             nonlocal last, mark
             last = step.tokens()
             t1 = time.perf_counter()
+            for tokens, token in zip(made, last):
+                tokens.append(token)
             for times in token_times:
                 times.append(t1)
             _record_step(engine, "decode", t1 - mark, [1] * len(seqs), contexts, m, roofline, probes, graph, target)
@@ -482,13 +490,14 @@ def _serve_wave(engine, prompts, output_len, m: Measurement | None, roofline: Ro
             stop()
 
         launched, launched_contexts = None, None
-        for made in range(1, output_len):
+        for count in range(1, output_len):
             if launched is not None and graph is not None and probes["decode"] is None:
                 read(launched, launched_contexts)
                 launched = None
             work = [(s, [launched.token(i) if launched else last[i]]) for i, s in enumerate(seqs)]
             contexts = [s.length + 1 for s in seqs]
-            following = engine.launch_tokens(work, None if greedy else sampling, [made] * len(seqs))
+            following = engine.launch_tokens(work, None if greedy else sampling, [count] * len(seqs),
+                                             histories=histories)
             if launched is not None:
                 read(launched, launched_contexts)
             launched, launched_contexts = following, contexts
@@ -524,7 +533,7 @@ def bench_transformers(checkpoint_dir: Path, dtype: str, prompts: list[list[int]
     with its own KV cache."""
     import torch
 
-    choose = _transformers_chooser(sampling)
+    choose, penalised = _transformers_chooser(sampling), sampling.uses_history
     torch.set_num_threads(threads())
     if model is None:
         model = load_transformers(checkpoint_dir, dtype)
@@ -536,7 +545,8 @@ def bench_transformers(checkpoint_dir: Path, dtype: str, prompts: list[list[int]
         ids = torch.tensor(batch_prompts, dtype=torch.long)
         start = time.perf_counter()
         out = model(input_ids=ids, use_cache=True)
-        nxt = choose(ids, out.logits[:, -1])
+        seen = ids  # the prompts and what was made: what transformers' penalties read
+        nxt = choose(seen, out.logits[:, -1], input_len)
         t1 = time.perf_counter()
         times = [[t1] for _ in batch_prompts]
         if record:
@@ -550,7 +560,9 @@ def bench_transformers(checkpoint_dir: Path, dtype: str, prompts: list[list[int]
             t0 = time.perf_counter()
             out = model(input_ids=nxt[:, None], cache=cache, use_cache=True)
             cache = out.cache if hasattr(out, "cache") else out.past_key_values
-            nxt = choose(ids, out.logits[:, -1])
+            if penalised:
+                seen = torch.cat([seen, nxt[:, None]], 1)
+            nxt = choose(seen, out.logits[:, -1], input_len)
             t1 = time.perf_counter()
             for t in times:
                 t.append(t1)
@@ -583,22 +595,36 @@ def bench_transformers(checkpoint_dir: Path, dtype: str, prompts: list[list[int]
 
 
 def _transformers_chooser(sampling: Sampling):
-    """next_token(input_ids, last_logits [n, V]) for transformers' waves: the argmax, or transformers' own sampling
-    warpers (as `generate(do_sample=True)` applies them) and a multinomial draw from a generator seeded once."""
+    """next_token(input_ids, last_logits [n, V], prompt_len) for transformers' waves: the argmax, or transformers' own
+    sampling warpers (as `generate(do_sample=True)` applies them) and a multinomial draw from a generator seeded once.
+    Penalties first, as qcompile applies them (runtime/sampling.py): transformers' repetition penalty over
+    input_ids (the prompt and what was made), then OpenAI's frequency and presence penalties over what was made
+    (input_ids past prompt_len; transformers has none: a few tensor operations); min-p after the temperature."""
     import torch
-
-    if sampling.greedy:
-        return lambda ids, logits: logits.argmax(-1)
-    from transformers.generation.logits_process import (LogitsProcessorList, TemperatureLogitsWarper,
+    from transformers.generation.logits_process import (LogitsProcessorList, MinPLogitsWarper,
+                                                        RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper,
                                                         TopKLogitsWarper, TopPLogitsWarper)
 
+    def penalised(ids, logits, prompt_len):
+        logits = logits.float()
+        if sampling.repetition_penalty != 1:
+            logits = RepetitionPenaltyLogitsProcessor(sampling.repetition_penalty)(ids, logits)
+        if (sampling.presence_penalty or sampling.frequency_penalty) and ids.shape[1] > prompt_len:
+            made = ids[:, prompt_len:]
+            times = torch.zeros_like(logits).scatter_add_(1, made, torch.ones(made.shape, dtype=logits.dtype))
+            logits = logits - sampling.frequency_penalty * times - sampling.presence_penalty * (times > 0)
+        return logits
+
+    if sampling.greedy:
+        return lambda ids, logits, prompt_len=0: penalised(ids, logits, prompt_len).argmax(-1)
     warpers = LogitsProcessorList([TemperatureLogitsWarper(sampling.temperature)]
+                                  + ([MinPLogitsWarper(sampling.min_p)] if sampling.min_p > 0 else [])
                                   + ([TopKLogitsWarper(sampling.top_k)] if sampling.top_k > 0 else [])
                                   + ([TopPLogitsWarper(sampling.top_p)] if sampling.top_p < 1 else []))
     generator = torch.Generator().manual_seed(sampling.seed)
 
-    def draw(ids, logits):
-        probs = torch.softmax(warpers(ids, logits.float()), dim=-1)
+    def draw(ids, logits, prompt_len=0):
+        probs = torch.softmax(warpers(ids, penalised(ids, logits, prompt_len)), dim=-1)
         return torch.multinomial(probs, 1, generator=generator)[:, 0]
 
     return draw

@@ -81,6 +81,11 @@ class Sampling:
         """Whether its logits depend on the tokens before (a penalty): the sampler needs its `History`."""
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
+    def adjustments(self) -> dict:
+        """min_p and the penalties that are set (not at their no-op values), by field name."""
+        offs = {"min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
+        return {name: getattr(self, name) for name, off in offs.items() if getattr(self, name) != off}
+
     @property
     def argmax(self) -> bool:
         """Whether its token is the raw logits' argmax: greedy with nothing adjusted (a step's own greedy ids)."""
