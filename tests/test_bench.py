@@ -333,7 +333,7 @@ def test_sampled_runs_draw_each_request_with_its_own_seed_on_both_engines(report
     assert {step[1] for step in decode} == {(1,), (2,), (3,), (1, 1), (2, 2), (3, 3)}
     seen.clear()
     _recording_steps(monkeypatch, seen)
-    monkeypatch.setattr(Engine, "compile_all_buckets", lambda self, sampling=False: None)  # (time) compile on use
+    monkeypatch.setattr(Engine, "compile_all_buckets", lambda self, sampling=False, pairs=0: None)  # (time) compile on use
     run_bench(BenchOptions(source=tiny, input_len=6, output_len=3, concurrency=(2,), num_prompts=3, request_rate=100.0,
                            verify="none", sampling=SAMPLING), emit=lambda line: None)
     assert {seed for step in seen if step[0] for seed in step[0]} == {7, 8, 9}

@@ -263,3 +263,19 @@ def test_pending_tokens_come_from_the_device_or_from_the_host_once_read():
     assert np.asarray(_pending_tokens(work)).tolist() == [42, -1, 40]
     assert step.tokens() == [42, 40]  # read now
     assert np.asarray(_pending_tokens(work)).tolist() == [42, -1, 40]
+
+
+def test_warming_the_sampler_for_pairs_compiles_what_penalised_steps_run():
+    """A run that knows its penalties compiles the sampler's programs for every size of pairs it will send before
+    it is timed (bench): penalised steps of up to that many pairs then compile nothing."""
+    from qcompile.runtime.sampling import pairs_sizes, warm_sampler
+
+    assert pairs_sizes(0) == [] and pairs_sizes(1024) == [1024] and pairs_sizes(1025) == [1024, 4096]
+    logits = jnp.zeros((4, 3000), jnp.float32)
+    warm_sampler(tuple(logits.shape), logits.dtype, 4 * 700)
+    compiled = sampling._sample._cache_size()
+    param = Sampling(0.7, 20, 0.8, 1, presence_penalty=1.5, repetition_penalty=1.1)
+    for made in (3, 200, 600):  # 1024 and 4096 pairs
+        histories = [History.of([1, 2], list(range(i, i + made)), param) for i in range(4)]
+        sample(logits, list(range(4)), [param] * 4, [0] * 4, histories, jnp.asarray([5, -1, 7, 9], jnp.int32))
+    assert sampling._sample._cache_size() == compiled

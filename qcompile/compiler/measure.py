@@ -276,6 +276,15 @@ def probe_experts(graph: Graph, target: str, params, caches, batch) -> float | N
     return float(np.mean([np.unique(np.asarray(ids)[:valid]).size for ids in out.values()]))
 
 
+def penalty_pairs(sampling: Sampling, concurrency: int, prompt_len: int, made: int) -> int:
+    """At most how many (request, token) pairs a step's penalties send (runtime/sampling.py), `concurrency`
+    requests of prompts up to `prompt_len` that make up to `made` tokens: what is compiled before a run is timed."""
+    if not (sampling.uses_history or sampling.logit_bias):
+        return 0
+    per = (made if sampling.uses_history else 0) + (prompt_len if sampling.repetition_penalty != 1 else 0)
+    return concurrency * (per + len(sampling.logit_bias))
+
+
 def request_sampling(sampling: Sampling, index: int) -> Sampling:
     """What request `index` of a run draws with: `sampling` with seed + index (as `qcompile run` does)."""
     return sampling if sampling.greedy else attrs.evolve(sampling, seed=(sampling.seed + index) % 2**32)
@@ -289,6 +298,9 @@ def bench_engine(engine, label: str, passes: str, prompts: list[list[int]], outp
     m = Measurement(label, passes, concurrency, input_len, output_len)
     probes: dict[str, float | None] = {"prefill": None, "decode": None}
     warm_started = time.perf_counter()
+    pairs = penalty_pairs(sampling, concurrency, input_len, output_len)
+    if pairs:  # the sampler's programs for every size of pairs the run will send (the warm-up wave makes 3 tokens)
+        engine.compile_all_buckets(sampling=True, pairs=pairs)
     _serve_wave(engine, prompts[:concurrency], min(output_len, 3), None, None, probes, graph, target, stop,
                 [request_sampling(sampling, i) for i in range(min(concurrency, len(prompts)))])
     m.warmup_seconds = time.perf_counter() - warm_started
@@ -343,7 +355,8 @@ def bench_engine_rate(engine, label: str, passes: str, prompts: list[list[int]],
                       max_running: int | None = None, reasoning: int = 0) -> Measurement:
     """Serve `prompts` as requests arriving at `rate` per second (Poisson, seeded) through the continuous-batching
     scheduler (runtime/scheduler.py): at most `concurrency` run at once, the others wait; each request's TTFT runs
-    from its arrival. Every token bucket is compiled first (untimed), so no compile lands inside the run. Steps mix
+    from its arrival. Every token bucket is compiled first (untimed), and the sampler's programs for the penalties'
+    pairs (`penalty_pairs`), so no compile lands inside the run. Steps mix
     prefill chunks and decode tokens, so prefill and decode tok/s are not separable here (reported as null).
     `n`: each prompt arrives as n requests (choice j of prompt i draws with seed + n·i + j), the later ones sharing
     the first's prefill (`share`, as `serve` does for a request's n) or fed on their own.
@@ -357,7 +370,9 @@ def bench_engine_rate(engine, label: str, passes: str, prompts: list[list[int]],
 
     m = Measurement(label, passes, concurrency, len(prompts[0]), output_len)
     warm_started = time.perf_counter()
-    engine.compile_all_buckets(sampling=not sampling.argmax)
+    longest = conversation_len(len(prompts[0]), output_len, turns, reasoning)
+    engine.compile_all_buckets(sampling=not sampling.argmax,
+                               pairs=penalty_pairs(sampling, max_running or concurrency, longest, output_len))
     m.warmup_seconds = time.perf_counter() - warm_started
     arrivals = [at for at in arrival_times(len(prompts), rate, seed) for _ in range(n)]
     requests = [Request(list(p), output_len, id=(n * i + j) * turns, sampling=request_sampling(sampling, n * i + j))

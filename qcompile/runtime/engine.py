@@ -333,12 +333,14 @@ class Engine:
         return self.program.token_bucket(max(self.cache_cfg.max_step_tokens, self.cache_cfg.max_seqs)), \
             self.cache_cfg.max_seqs
 
-    def compile_all_buckets(self, sampling: bool = False) -> None:
+    def compile_all_buckets(self, sampling: bool = False, pairs: int = 0) -> None:
         """Compile, ahead of any step, every bucket a step without prompt logits can use: T = 1, 2, 4, ... up to the
         largest step, with min(T, max_seqs) logit rows (so a server's first requests do not wait for XLA). With
         `sampling`, also the buckets that return logits and the on-device sampler for each (what a step with a
         sampled request runs). And the small program that feeds a pipelined step the tokens of the one before
-        (~60 ms of XLA each, for each bucket after each size of result: a mixed stream meets most of them)."""
+        (~60 ms of XLA each, for each bucket after each size of result: a mixed stream meets most of them).
+        `pairs`: with `sampling`, the sampler's programs for up to that many penalised (request, token) pairs too
+        (runtime/sampling.py `warm_sampler`)."""
         tokens, _ = self.largest_step()
         caches = cache_specs(self.program.cache_types, self.sizes)
         t, slots, buckets, produced = 1, self.cache_cfg.max_seqs // self.ranks, [], set()
@@ -350,7 +352,7 @@ class Engine:
             produced.add(rows)  # the size of the token ids this bucket gives the next step
             if sampling:
                 logits = self.program.executable(self.params, caches, batch, True).out_info[LOGITS]
-                warm_sampler(tuple(logits.shape), logits.dtype)
+                warm_sampler(tuple(logits.shape), logits.dtype, pairs)
                 produced.add(int(logits.shape[0]))  # the sampler's result: one draw per logits row
             t *= 2
         if self.feeds_on_device:  # the token feed of a pipelined step, for every bucket after every result size

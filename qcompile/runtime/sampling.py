@@ -409,6 +409,24 @@ def sample(logits, rows: list[int], params: list[Sampling], counters: list[int],
                    tuple(jnp.asarray(a) for a in spans), pending, penalties)
 
 
-def warm_sampler(logits_shape: tuple[int, int], dtype) -> None:
-    """Compile the sampler for logits of `logits_shape` (the only program `sample` runs for that shape)."""
-    sample(jnp.zeros(logits_shape, dtype), [0], [GREEDY], [0]).block_until_ready()
+def pairs_sizes(pairs: int) -> list[int]:
+    """The sizes the sampler's (request, token) pairs are padded to (`_pairs`) for up to `pairs` of them."""
+    sizes = []
+    while pairs > 0 and (not sizes or sizes[-1] < pairs):
+        sizes.append(4 * sizes[-1] if sizes else 1024)
+    return sizes
+
+
+def warm_sampler(logits_shape: tuple[int, int], dtype, pairs: int = 0) -> None:
+    """Compile the sampler for logits of `logits_shape` (the only program `sample` runs for that shape without
+    penalties) and, for `pairs` > 0, its programs for every size of up to that many penalised (request, token) pairs
+    (~1.5 s each on 2 cores: what a run that knows its penalties compiles before it is timed)."""
+    logits = jnp.zeros(logits_shape, dtype)
+    sample(logits, [0], [GREEDY], [0]).block_until_ready()
+    n = logits_shape[0]
+    for size in pairs_sizes(pairs):
+        empty = (np.full(size, n, np.int32), np.zeros(size, np.int32), *(np.zeros(size, np.float32),) * 3)
+        _sample(logits, jnp.zeros(n, jnp.int32), jnp.zeros(n), jnp.zeros(n, jnp.int32), jnp.ones(n),
+                jnp.zeros(n, jnp.uint32), jnp.zeros(n, jnp.int32), jnp.zeros(n), tuple(map(jnp.asarray, empty)),
+                (jnp.zeros(n, jnp.int32),) * 2, jnp.full(n, -1, jnp.int32),
+                (jnp.ones(n), jnp.zeros(n), jnp.zeros(n))).block_until_ready()
