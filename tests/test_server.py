@@ -767,7 +767,8 @@ def test_penalties_min_p_and_logit_bias_reach_each_choices_sampling(tokenizer, c
     for field, value in (("presence_penalty", 2.5), ("frequency_penalty", -2.1), ("min_p", 1.2), ("min_p", "0.1"),
                          ("repetition_penalty", 0), ("repetition_penalty", -1), ("logit_bias", {"x": 1}),
                          ("logit_bias", {"5": 101}), ("logit_bias", {"100": 1}), ("logit_bias", {"5": True}),
-                         ("logit_bias", [5, 1]), ("logit_bias", {str(i): 1 for i in range(1025)})):
+                         ("logit_bias", [5, 1]), ("logit_bias", {str(i): 1 for i in range(1025)}),
+                         ("logit_bias", {"9" * 5000: 1})):
         with pytest.raises(BadRequest) as err:
             parse_completion({"prompt": [5], field: value}, info)
         assert err.value.param == field and err.value.status == 400, (field, value)

@@ -169,7 +169,7 @@ def _adjustments(body: dict, info: ModelInfo) -> dict:
         raise BadRequest("logit_bias", f"'logit_bias' may name at most {MAX_LOGIT_BIAS} tokens, got {len(bias)}")
     pairs = []
     for key, value in bias.items():
-        token = int(key) if re.fullmatch(r"\s*[0-9]+\s*", key) else None
+        token = int(key) if re.fullmatch(r"\s*[0-9]{1,12}\s*", key) else None  # (a 5000-digit id: no int())
         if token is None or not isinstance(value, (int, float)) or isinstance(value, bool) or not -100 <= value <= 100:
             raise BadRequest("logit_bias", f"{shape}; got {json.dumps(key)}: {json.dumps(value)}")
         if token >= info.vocab_size:
