@@ -242,6 +242,25 @@ def _artifact_devices(path: Path, cluster=None) -> None:
         use_host_devices(count)
 
 
+def _penalty_options(command):
+    """--min-p and the penalties of `run` and `bench` (runtime/sampling.py; `bench` applies them to transformers too)."""
+    for option in reversed((
+            click.option("--min-p", default=0.0, show_default=True, type=float,
+                         help="With --temperature: keep the tokens at least P times as likely as the most likely "
+                              "(0: off)."),
+            click.option("--presence-penalty", default=0.0, show_default=True, type=float,
+                         help="Subtract this (-2..2) from the logit of every token already made (OpenAI's; greedy "
+                              "too)."),
+            click.option("--frequency-penalty", default=0.0, show_default=True, type=float,
+                         help="Subtract this (-2..2) times the times a token was made from its logit (OpenAI's; "
+                              "greedy too)."),
+            click.option("--repetition-penalty", default=1.0, show_default=True, type=float,
+                         help="Divide a positive logit (multiply a negative one) by R for every token of the prompt "
+                              "or made so far (Hugging Face's; 1: off; greedy too)."))):
+        command = option(command)
+    return command
+
+
 def _cluster_options(command):
     """--coordinator / --num-processes / --process-id: one of N cooperating processes (runtime/distributed.py)."""
     for option in reversed((
@@ -383,15 +402,7 @@ def _refuse_overwriting_inputs(path: Path, flag: str, inputs: tuple) -> None:
               help="Sample from the smallest set of tokens whose probability reaches P (1: all).")
 @click.option("--seed", default=0, show_default=True, type=int,
               help="Sampling seed; prompt i draws with seed + i, so a run is reproducible whatever the batch.")
-@click.option("--min-p", default=0.0, show_default=True, type=float,
-              help="With --temperature: keep the tokens at least P times as likely as the most likely (0: off).")
-@click.option("--presence-penalty", default=0.0, show_default=True, type=float,
-              help="Subtract this (-2..2) from the logit of every token already made (OpenAI's; greedy too).")
-@click.option("--frequency-penalty", default=0.0, show_default=True, type=float,
-              help="Subtract this (-2..2) times the times a token was made from its logit (OpenAI's; greedy too).")
-@click.option("--repetition-penalty", default=1.0, show_default=True, type=float,
-              help="Divide a positive logit (multiply a negative one) by R for every token of the prompt or made so "
-                   "far (Hugging Face's; 1: off; greedy too).")
+@_penalty_options
 @_cluster_options
 def run_cmd(checkpoint, prompt_ids, prompt_texts, chat_texts, system, chat_template_path, max_new_tokens, dtype,
             save_logits, ignore_eos, memory_budget, as_json, mesh_spec, temperature, top_k, top_p, seed, min_p,
@@ -651,14 +662,7 @@ def init_tiny_cmd(directory, family, preset, seed, dtype, sparse, force):
 @click.option("--top-k", default=0, show_default=True, type=int, help="With --temperature: keep the K most likely (0: off).")
 @click.option("--top-p", default=1.0, show_default=True, type=float,
               help="With --temperature: keep the most likely tokens up to probability P (1: off).")
-@click.option("--min-p", default=0.0, show_default=True, type=float,
-              help="With --temperature: keep the tokens at least P times as likely as the most likely (0: off).")
-@click.option("--presence-penalty", default=0.0, show_default=True, type=float,
-              help="OpenAI's presence penalty (-2..2) on every request, on both engines (greedy too).")
-@click.option("--frequency-penalty", default=0.0, show_default=True, type=float,
-              help="OpenAI's frequency penalty (-2..2) on every request, on both engines (greedy too).")
-@click.option("--repetition-penalty", default=1.0, show_default=True, type=float,
-              help="Hugging Face's repetition penalty (> 0; 1: off) on every request, on both engines (greedy too).")
+@_penalty_options
 @click.option("--memory-budget", metavar="SIZE", callback=_size_option,
               help="Refuse (exit 2) a concurrency whose weights + caches + temporaries + runtime exceed SIZE.")
 @click.option("--json", "json_path", type=click.Path(path_type=Path), help="Write the results (docs/benchmarks.md schema).")
